@@ -1,0 +1,182 @@
+"""Save and load training state with torch.distributed.checkpoint (DCP) through the Stateful protocol."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from mm_core.checkpoint import layout
+from mm_core.errors import CheckpointError
+
+CONFIG_FILE = "mm_config.yaml"
+
+
+class ModelState:
+    """The model's (sharded) state dict, with fully qualified names that match the unwrapped model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """The optimizer's state keyed by parameter names (so it reshards and survives layout changes)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+@dataclass
+class TrainProgress:
+    """Counters that must survive a restart."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    world_size: int = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: torch.tensor(v, dtype=torch.int64) for k, v in self.__dict__.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in self.__dict__:
+            if key in state:
+                setattr(self, key, int(state[key]))
+
+
+@dataclass
+class TrainingState:
+    """Everything a checkpoint may hold; ``per_rank`` entries are saved under keys suffixed by rank."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    progress: TrainProgress = field(default_factory=TrainProgress)
+    per_rank: dict[str, Any] = field(default_factory=dict)  # e.g. {"data": EpochIterator, "rng": RNGState}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _states(ts: TrainingState, *, optim: bool, rng: bool) -> dict[str, Any]:
+    rank = _rank()
+    states: dict[str, Any] = {"model": ModelState(ts.model), "progress": ts.progress}
+    if optim and ts.optimizer is not None:
+        states["optimizer"] = OptimizerState(ts.model, ts.optimizer)
+    if ts.scheduler is not None:
+        states["scheduler"] = ts.scheduler
+    for name, obj in ts.per_rank.items():
+        if name == "rng" and not rng:
+            continue
+        states[f"{name}_rank{rank}"] = obj
+    return states
+
+
+def save_checkpoint(
+    root: str | Path, step: int, ts: TrainingState, *, save_optim: bool = True, save_rng: bool = True,
+    config_text: str | None = None, keep: int | None = None,
+) -> Path:
+    """Write ``<root>/step_<step>`` atomically (see :mod:`mm_core.checkpoint.layout`); all ranks call this."""
+    root = Path(root)
+    partial = layout.partial_dir(root, step)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+        partial.mkdir()
+    _barrier()
+    dcp.save(_states(ts, optim=save_optim, rng=save_rng), checkpoint_id=str(partial))
+    _barrier()
+    final = layout.step_dir(root, step)
+    if _rank() == 0:
+        if config_text is not None:
+            (partial / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+        layout.finalize(root, step)
+        layout.prune(root, keep)
+    _barrier()
+    return final
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """Flattened keys stored in a DCP checkpoint (e.g. ``model.lm_head.weight``)."""
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> list[str]:
+    stored = {k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")}
+    expected = set(get_model_state_dict(ts.model))
+    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
+    if strict and (missing or unexpected):
+        def show(keys: list[str]) -> str:
+            return ", ".join(keys[:10]) + (f" ... ({len(keys)} in all)" if len(keys) > 10 else "") or "none"
+
+        raise CheckpointError(
+            f"training.load: {path} does not match the model (load_strict is true). Missing from the "
+            f"checkpoint: {show(missing)}. Unexpected in the checkpoint: {show(unexpected)}. Set "
+            "training.load_strict: false to load the matching tensors only."
+        )
+    return missing
+
+
+def load_checkpoint(
+    path: str | Path, ts: TrainingState, *, load_optim: bool = True, load_rng: bool = True, strict: bool = True,
+) -> dict[str, Any]:
+    """Load whatever ``path`` holds into ``ts``: the model always; optimizer, scheduler, progress and
+    per-rank states when present (a weights-only checkpoint from ``mm convert hf-to-dcp`` starts at step 0).
+    Returns a report of what was loaded and which model keys were missing."""
+    path = Path(path)
+    if not layout.is_checkpoint(path):
+        raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
+    stored_top = {k.split(".", 1)[0] for k in checkpoint_keys(path)}
+    missing = _check_model_keys(path, ts, strict)
+    states = _states(ts, optim=load_optim, rng=load_rng)
+    states = {k: v for k, v in states.items() if k in stored_top}
+    per_rank_stored = any(k.rsplit("_rank", 1)[0] in ts.per_rank for k in stored_top if "_rank" in k)
+    if "progress" in stored_top and per_rank_stored:
+        saved_world = int(_saved_world_size(path))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if saved_world != world:
+            raise CheckpointError(
+                f"training.load: {path} was saved by {saved_world} ranks and this job has {world}; resuming "
+                "data and random state on a different world size is not supported yet (set "
+                "training.no_load_rng: true and start the data anew, or keep the world size)"
+            )
+    dcp.load(states, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    return {"loaded": sorted(states), "missing_model_keys": missing}
+
+
+def _saved_world_size(path: Path) -> int:
+    probe = {"progress": TrainProgress()}
+    dcp.load(probe, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    return probe["progress"].world_size

@@ -1,0 +1,160 @@
+"""The ``mm`` command: train, check, plugins, convert. User errors print one line and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from mm_core.errors import MMError
+
+EXIT_USER_ERROR = 2
+
+
+def _error(msg: str) -> int:
+    rank = os.environ.get("RANK")
+    prefix = "mm: error" if rank in (None, "0") else f"mm: error (rank {rank})"
+    print(f"{prefix}: {msg}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
+
+
+def guarded(fn: Callable[[], int | None]) -> int:
+    """Run ``fn``; an :class:`MMError` becomes one line on stderr and exit status 2 (no traceback)."""
+    try:
+        return fn() or 0
+    except MMError as exc:
+        return _error(str(exc))
+
+
+def run_worker(argv: list[str]) -> int:
+    """One training process (under torchrun or the local launcher): ``CFG [key=value ...]``."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    parser = argparse.ArgumentParser(prog="python -m mm_core.train")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+
+    def go() -> None:
+        from mm_core.config import load_config
+        from mm_core.train import Trainer
+
+        cfg = load_config(args.config, args.overrides)
+        trainer = Trainer(cfg, args.config).setup()
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+
+    return guarded(go)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    argv = [args.config, *args.overrides]
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc_per_node is None or in_torchrun:
+        return run_worker(argv)
+
+    def precheck() -> None:
+        from mm_core.check import run_check
+        from mm_core.config import load_config
+
+        run_check(load_config(args.config, args.overrides), args.nproc_per_node, quiet=True)
+
+    code = guarded(precheck)
+    if code:
+        return code
+    from mm_core.launch import launch_local
+
+    return launch_local(args.nproc_per_node, argv)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    def go() -> None:
+        from mm_core.check import run_check
+        from mm_core.config import load_config
+
+        run_check(load_config(args.config, args.overrides), args.world_size)
+
+    return guarded(go)
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from mm_core.registry import REGISTRIES
+
+    rows = [(i.kind, i.name, i.provider, i.target) for reg in REGISTRIES for i in reg.infos()]
+    if not rows:
+        print("no plugins installed")
+        return 0
+    widths = [max(len(r[c]) for r in rows + [("kind", "name", "provided by", "target")]) for c in range(4)]
+    for row in [("kind", "name", "provided by", "target"), *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    def go() -> None:
+        from mm_core import convert
+
+        if args.direction == "hf-to-dcp":
+            out = convert.hf_to_dcp(args.src, args.dst)
+        else:
+            out = convert.dcp_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size)
+        print(f"wrote {out}")
+
+    return guarded(go)
+
+
+def build_parsers() -> dict[str, argparse.ArgumentParser]:
+    """One parser per subcommand (each parsed with intermixed options and positionals)."""
+    parsers: dict[str, argparse.ArgumentParser] = {}
+
+    def add(name: str, help_text: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=f"mm {name}", description=help_text)
+        p.set_defaults(func=func)
+        parsers[name] = p
+        return p
+
+    p = add("train", "train from a YAML config", _cmd_train)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. training.lr=3e-4")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None,
+                   help="launch this many local worker processes (outside torchrun)")
+
+    p = add("check", "validate a config and print the resolved plan without training", _cmd_check)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--world-size", type=int, default=1, help="world size to check the layout for")
+
+    add("plugins", "list installed models, datasets, collators and optimizers", _cmd_plugins)
+
+    p = add("convert", "convert weights between Hugging Face folders and DCP checkpoints", _cmd_convert)
+    p.add_argument("direction", choices=["hf-to-dcp", "dcp-to-hf"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--max-shard-size", default="5GB", help="dcp-to-hf: largest safetensors file")
+    return parsers
+
+
+def _usage(parsers: dict[str, argparse.ArgumentParser]) -> str:
+    lines = ["usage: mm {" + ",".join(parsers) + "} ...", "", "commands:"]
+    lines += [f"  {name:<9} {p.description}" for name, p in parsers.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parsers = build_parsers()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(parsers))
+        return 0 if argv else EXIT_USER_ERROR
+    if argv[0] not in parsers:
+        print(_usage(parsers), file=sys.stderr)
+        return _error(f"unknown command {argv[0]!r}")
+    args = parsers[argv[0]].parse_intermixed_args(argv[1:])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Read the YAML, apply ``key=value`` overrides, validate, and explain failures in one line."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mm_core.config.schema import MMConfig
+from mm_core.errors import ConfigError
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``a.b.c=value`` into the dotted key and the value read as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. training.lr=3e-4")
+    return key, _read_value(raw.strip())
+
+
+def _read_value(raw: str) -> Any:
+    """A value read as YAML; module patterns such as ``[model.layers.{*}]`` (not valid flow YAML because of
+    the braces) are read as a list of strings, and other unparsable text as a plain string."""
+    if not raw:
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        if raw.startswith("[") and raw.endswith("]"):
+            return [_read_value(item.strip()) for item in raw[1:-1].split(",") if item.strip()]
+        return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings to the nested dict ``raw`` (in place) and return it."""
+    for text in overrides:
+        key, value = parse_override(text)
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {key}: {where} is {child!r}, not a block of keys")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file into a dict, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of blocks (parallel, data, model, ...)")
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> MMConfig:
+    """Load, override and validate a config file. Raises :class:`ConfigError` with a one-line message."""
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> MMConfig:
+    """Validate a nested dict against :class:`MMConfig`."""
+    try:
+        return MMConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_error(exc, raw)}") from None
+
+
+def _schema_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at ``loc`` (its parent location)."""
+    model: type[BaseModel] = MMConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return None
+        model = nxt
+    return model
+
+
+def _value_at(raw: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+            raw = raw[part]
+        else:
+            return None
+    return raw
+
+
+def describe_error(exc: ValidationError, raw: dict[str, Any]) -> str:
+    """One line for the first validation error: dotted key, bad value, what is accepted."""
+    errors = exc.errors()
+    err = errors[0]
+    loc = _clean_loc(err["loc"])
+    key = ".".join(str(p) for p in loc) or "<top level>"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        owner = _schema_at(loc)
+        known = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+        return f"{key}: unknown key{hint} (accepted here: {', '.join(known)})"
+    if kind == "missing":
+        return f"{key}: missing; this key is required"
+    value = _value_at(raw, loc)
+    # A union (e.g. ``int | 'auto'``) fails once per member: say what each member accepts.
+    msgs: list[str] = []
+    for other in errors:
+        if _clean_loc(other["loc"]) == loc:
+            msg = other["msg"].removeprefix("Value error, ")
+            msg = msg[0].lower() + msg[1:]
+            if msg not in msgs:
+                msgs.append(msg)
+    return f"{key}: got {value!r}; {' or '.join(msgs)}"
+
+
+_UNION_TAGS = {"int", "str", "float", "bool", "none", "list", "dict"}
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop the union-member tags pydantic puts in error locations (``int``, ``literal['auto']``)."""
+    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))

@@ -1,0 +1,223 @@
+"""Typed schema of the top-level YAML: the blocks ``parallel``, ``data``, ``model``, ``training``, ``tools``.
+
+Field names follow the MindSpeed-MM FSDP2 migration guide so its users recognise every line. Every block
+forbids unknown keys; the loader turns validation failures into one-line errors naming the dotted key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Auto = Literal["auto"]
+DTypeName = Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"]
+
+
+class Block(BaseModel):
+    """Base of every config block: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+# --------------------------------------------------------------------------------------------- parallel
+class FSDPPlan(Block):
+    apply_modules: list[str] = Field(default_factory=list)
+    ignored_modules: list[str] = Field(default_factory=list)
+    hook_modules: list[str] = Field(default_factory=list)
+    param_dtype: DTypeName = "fp32"
+    reduce_dtype: DTypeName = "fp32"
+    output_dtype: DTypeName | None = None
+    cast_forward_inputs: bool = True
+    reshard_after_forward: bool = True
+    num_to_forward_prefetch: int = Field(0, ge=0)
+    num_to_backward_prefetch: int = Field(0, ge=0)
+    pregather: bool = False
+    cpu_offload: bool = False
+
+
+class EPPlan(Block):
+    apply_modules: list[str] = Field(default_factory=list)
+    apply_efsdp_modules: list[str] = Field(default_factory=list)
+    dispatcher: Literal["alltoall", "allgather", "mc2"] = "alltoall"
+
+
+class ParallelConfig(Block):
+    data_parallel_size: int | Auto = "auto"
+    fully_shard_parallel_size: int | Auto = "auto"
+    tensor_parallel_size: int = 1
+    ulysses_parallel_size: int = Field(1, ge=1)
+    ring_attention_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
+    expert_fully_shard_parallel_size: int | Auto = "auto"
+    fsdp_plan: FSDPPlan = Field(default_factory=FSDPPlan)
+    ep_plan: EPPlan = Field(default_factory=EPPlan)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp_is_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("mm trains with FSDP2, not tensor parallelism; only 1 is accepted")
+        return v
+
+    @field_validator("data_parallel_size", "fully_shard_parallel_size", "expert_fully_shard_parallel_size")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("expected a positive integer or 'auto'")
+        return v
+
+
+# ------------------------------------------------------------------------------------------------- data
+class DatasetParam(Block):
+    dataset_type: str
+    basic_parameters: dict[str, Any] = Field(default_factory=dict)
+    preprocess_parameters: dict[str, Any] = Field(default_factory=dict)
+    on_error: Literal["raise", "skip"] = "raise"
+
+
+class CollateParam(Block):
+    """Picks the collator; extra keys are passed through to it."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    collator_id: str | None = None
+    model_name: str | None = None
+    ignore_pad_token_for_loss: bool = True
+    pad_to_multiple_of: int | None = Field(None, ge=1)
+
+    @property
+    def name(self) -> str | None:
+        """The collator name: ``collator_id``, or its alias ``model_name``."""
+        return self.collator_id or self.model_name
+
+
+class DataloaderParam(Block):
+    dataloader_mode: Literal["base", "sampler"] = "sampler"
+    sampler_type: str = "BaseRandomBatchSampler"
+    shuffle: bool = True
+    drop_last: bool = True
+    pin_memory: bool = False
+    num_workers: int = Field(0, ge=0)
+    prefetch_factor: int | None = Field(None, ge=1)
+    persistent_workers: bool = False
+    collate_param: CollateParam = Field(default_factory=CollateParam)
+
+
+class DataConfig(Block):
+    dataset_param: DatasetParam
+    dataloader_param: DataloaderParam = Field(default_factory=DataloaderParam)
+
+
+# ------------------------------------------------------------------------------------------------ model
+class LossConfig(Block):
+    loss_type: Literal["raw", "default", "per_token_loss", "per_sample_loss"] = "default"
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+
+
+class RecomputePlan(Block):
+    apply_modules: list[str] = Field(default_factory=list)
+    use_reentrant: bool = False
+
+
+class ModelConfig(Block):
+    model_id: str
+    model_name_or_path: str | None = None
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    from_scratch: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"
+    freeze: list[str] = Field(default_factory=list)
+    loss_cfg: LossConfig = Field(default_factory=LossConfig)
+    recompute: bool = False
+    recompute_plan: RecomputePlan = Field(default_factory=RecomputePlan)
+
+
+# --------------------------------------------------------------------------------------------- training
+class LoraConfig(Block):
+    enable: bool = False
+    rank: int = Field(8, ge=1)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=list)
+
+
+class TrainingConfig(Block):
+    micro_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int | None = Field(1, ge=1)
+    train_iters: int = Field(..., ge=1)
+    seed: int = 42
+    lr: float = Field(1e-5, ge=0)
+    lr_min: float = Field(0.0, ge=0)
+    lr_warmup_ratio: float = Field(0.0, ge=0, le=1)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    clip_grad: float | None = Field(1.0, ge=0)
+    optimizer: str = "adamw"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    adam_fused: bool = True
+    init_model_with_meta_device: bool = False
+    load: str | None = None
+    load_strict: bool = True
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    save: str | None = None
+    save_interval: int = Field(1000, ge=1)
+    save_async: bool = False
+    save_total_limit: int | None = Field(None, ge=1)
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    log_interval: int = Field(1, ge=1)
+    use_deter_comp: bool = False
+    plugin: list[str] = Field(default_factory=list)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    output_dir: str | None = None
+    progress_bar: bool = True
+
+    @property
+    def grad_accum(self) -> int:
+        """Gradient accumulation steps (an empty value turns accumulation off)."""
+        return self.gradient_accumulation_steps or 1
+
+
+# ------------------------------------------------------------------------------------------------ tools
+class ProfileConfig(Block):
+    enable: bool = False
+    ranks: list[int] = Field(default_factory=lambda: [0])
+    start_step: int = Field(1, ge=1)
+    end_step: int = Field(2, ge=1)
+    save_path: str | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+    with_memory: bool = False
+
+
+class MemoryProfileConfig(Block):
+    enable: bool = False
+    ranks: list[int] = Field(default_factory=lambda: [0])
+    start_step: int = Field(1, ge=1)
+    end_step: int = Field(2, ge=1)
+    save_path: str | None = None
+
+
+class TensorboardConfig(Block):
+    enable: bool = False
+    log_dir: str | None = None
+
+
+class ToolsConfig(Block):
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    memory_profile: MemoryProfileConfig = Field(default_factory=MemoryProfileConfig)
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+
+
+# ------------------------------------------------------------------------------------------------- root
+class MMConfig(Block):
+    """The whole run, as written in one YAML file (plus command-line overrides)."""
+
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig
+    model: ModelConfig
+    training: TrainingConfig
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)

@@ -1,0 +1,31 @@
+"""Settings that the YAML accepts (for compatibility with MindSpeed-MM files) but this version of mm does
+not provide yet. Each one is refused with a clear error instead of being silently ignored."""
+
+from __future__ import annotations
+
+from mm_core.config.schema import MMConfig
+from mm_core.errors import ConfigError
+
+_NOT_YET = "this version of mm does not provide it yet; remove it or set it back to its default"
+
+
+def check_supported(cfg: MMConfig) -> None:
+    """Raise :class:`ConfigError` for the first setting mm would otherwise have to ignore."""
+    plan = cfg.parallel.fsdp_plan
+    checks = [
+        ("parallel.fsdp_plan.hook_modules", plan.hook_modules, []),
+        ("parallel.fsdp_plan.num_to_forward_prefetch", plan.num_to_forward_prefetch, 0),
+        ("parallel.fsdp_plan.num_to_backward_prefetch", plan.num_to_backward_prefetch, 0),
+        ("parallel.fsdp_plan.pregather", plan.pregather, False),
+        ("parallel.ep_plan.apply_modules", cfg.parallel.ep_plan.apply_modules, []),
+        ("parallel.ep_plan.apply_efsdp_modules", cfg.parallel.ep_plan.apply_efsdp_modules, []),
+        ("model.recompute", cfg.model.recompute, False),
+        ("training.lora.enable", cfg.training.lora.enable, False),
+        ("training.save_async", cfg.training.save_async, False),
+        ("tools.profile.enable", cfg.tools.profile.enable, False),
+        ("tools.memory_profile.enable", cfg.tools.memory_profile.enable, False),
+        ("data.dataset_param.on_error", cfg.data.dataset_param.on_error, "raise"),
+    ]
+    for key, value, default in checks:
+        if value != default:
+            raise ConfigError(f"{key}: got {value!r}; {_NOT_YET}")

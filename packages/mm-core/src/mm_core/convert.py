@@ -1,0 +1,107 @@
+"""Weights between Hugging Face safetensors folders and DCP checkpoints (``mm convert``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from mm_core.checkpoint import CONFIG_FILE, resolve_load_path
+from mm_core.checkpoint.layout import is_checkpoint
+from mm_core.config import validate_config
+from mm_core.errors import CheckpointError
+from mm_core.models.hub import ModelHub
+from mm_core.registry import import_plugins
+
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+    "preprocessor_config.json", "processor_config.json",
+)
+
+
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a Hugging Face safetensors folder into a (possibly sharded) model; each rank reads only the
+    slices it owns. Tensors the folder lacks (e.g. a tied ``lm_head``) keep their current values."""
+    state = get_model_state_dict(model)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, state)
+
+
+def hf_to_dcp(src: str | Path, dst: str | Path) -> Path:
+    """Write the tensors of a Hugging Face folder as a weights-only DCP checkpoint (keys ``model.<name>``),
+    usable as ``training.load`` with ``training.init_model_with_meta_device: true``."""
+    src, dst = Path(src), Path(dst)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"mm convert hf-to-dcp: {src} holds no *.safetensors files")
+    if dst.exists():
+        raise CheckpointError(f"mm convert hf-to-dcp: {dst} already exists; choose a new folder")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                state[key] = st.get_tensor(key)
+    partial = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    dcp.save({"model": state}, checkpoint_id=str(partial), no_dist=True)
+    if (src / "config.json").is_file():
+        shutil.copy2(src / "config.json", partial / "hf_config.json")
+    os.replace(partial, dst)
+    return dst
+
+
+def _hf_base_class_name(model: nn.Module) -> str:
+    """The transformers class a registered model subclasses (what plain transformers should load)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(model).__name__
+
+
+def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = "5GB") -> Path:
+    """Export the model weights of an mm checkpoint as a Hugging Face folder (sharded safetensors with an
+    index when large), plus the tokenizer files the run used."""
+    path = Path(ckpt)
+    if not is_checkpoint(path):
+        resolved = resolve_load_path(str(path), None)
+        if resolved is None:
+            raise CheckpointError(f"mm convert dcp-to-hf: no checkpoint under {path}")
+        path = resolved
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise CheckpointError(f"mm convert dcp-to-hf: {path} has no {CONFIG_FILE}; was it written by mm train?")
+    import yaml
+
+    cfg = validate_config(yaml.safe_load(cfg_file.read_text(encoding="utf-8")), source=str(cfg_file))
+    import_plugins(cfg.training.plugin)
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    model.load_state_dict(state["model"])
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst, max_shard_size=max_shard_size)
+    config_path = dst / "config.json"
+    if config_path.is_file():
+        conf = json.loads(config_path.read_text(encoding="utf-8"))
+        conf["architectures"] = [_hf_base_class_name(model)]
+        config_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tok = cfg.data.dataset_param.preprocess_parameters.get("model_name_or_path")
+    if tok and Path(tok).is_dir():
+        for name in _TOKENIZER_FILES:
+            if (Path(tok) / name).is_file():
+                shutil.copy2(Path(tok) / name, dst / name)
+    return dst

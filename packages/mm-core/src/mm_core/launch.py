@@ -1,0 +1,52 @@
+"""Start N local worker processes (``mm train --nproc-per-node N``) through torch's elastic launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(argv: list[str]) -> None:
+    from mm_core.cli import run_worker
+
+    code = run_worker(argv)
+    if code:
+        sys.exit(code)
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Run ``mm_core.train`` with ``argv`` on ``nproc`` local processes; returns the exit status
+    (2 when a worker stopped on a user error, which it has already printed)."""
+    # like torchrun: do not let N workers each start one thread per core
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"mm-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, _worker_main)(argv)
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        if codes == {2}:
+            return 2
+        for rank, failure in sorted(exc.failures.items()):
+            print(f"mm: worker {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0

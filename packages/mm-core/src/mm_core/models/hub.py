@@ -1,0 +1,105 @@
+"""Build a model from the ``model`` block: Hugging Face ``PreTrainedModel`` classes and custom ``BaseModel``s."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from mm_core.config.schema import ModelConfig
+from mm_core.errors import ConfigError
+from mm_core.models.base import BaseModel
+from mm_core.registry import model_register
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def has_weights(path: str | Path) -> bool:
+    """True when a local Hugging Face folder holds safetensors weights."""
+    p = Path(path)
+    return any((p / f).is_file() for f in _WEIGHT_FILES) or any(p.glob("*.safetensors"))
+
+
+def _update_config(config: PretrainedConfig, overrides: dict[str, Any], prefix: str) -> None:
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _update_config(current, value, f"{prefix}.{key}")
+        elif not hasattr(config, key):
+            raise ConfigError(f"{prefix}.{key}: {type(config).__name__} has no attribute {key!r}")
+        else:
+            setattr(config, key, value)
+
+
+def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> PretrainedConfig:
+    """The Hugging Face config: from ``model_name_or_path`` (local folder) or the class default, plus overrides."""
+    if args.model_name_or_path:
+        path = Path(args.model_name_or_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.model_name_or_path: {str(path)!r} is not a local Hugging Face folder with a config.json "
+                "(mm never downloads; point it at a folder on disk)"
+            )
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    else:
+        config = model_cls.config_class()
+    _update_config(config, args.config_overrides, "model.config_overrides")
+    config.use_cache = False
+    return config
+
+
+class ModelHub:
+    """One place that turns the ``model`` block into an ``nn.Module``."""
+
+    @staticmethod
+    def model_class(args: ModelConfig) -> type:
+        return model_register.get(args.model_id)
+
+    @staticmethod
+    def build(args: ModelConfig, *, meta: bool = False) -> nn.Module:
+        """Build the model. With ``meta`` the structure is created on the meta device (no memory, no init);
+        otherwise weights are loaded from ``model_name_or_path`` or, with ``model.from_scratch``, initialised."""
+        cls = ModelHub.model_class(args)
+        device_ctx = torch.device("meta") if meta else contextlib.nullcontext()
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            config = build_hf_config(cls, args)
+            wants_weights = not args.from_scratch
+            if wants_weights and not (args.model_name_or_path and has_weights(args.model_name_or_path)):
+                where = args.model_name_or_path or "(not set)"
+                raise ConfigError(
+                    f"model.model_name_or_path: {where!r} holds no *.safetensors weights; set "
+                    "model.from_scratch: true to train from a random initialisation"
+                )
+            if meta or args.from_scratch:
+                with device_ctx:
+                    model = cls._from_config(config, attn_implementation=args.attn_implementation,
+                                             dtype=torch.float32)
+            else:
+                model = cls.from_pretrained(
+                    args.model_name_or_path, config=config, attn_implementation=args.attn_implementation,
+                    dtype=torch.float32,
+                )
+            return model
+        if isinstance(cls, type) and issubclass(cls, BaseModel):
+            if meta or args.from_scratch:
+                with device_ctx:
+                    return cls._from_config(args)
+            return cls.from_pretrained(args)
+        raise ConfigError(
+            f"model.model_id: {args.model_id!r} is registered to {cls!r}, which is neither a "
+            "transformers PreTrainedModel subclass nor an mm_core.models.BaseModel subclass"
+        )
+
+
+def model_plans(model: nn.Module) -> dict[str, list[str]]:
+    """The default plans a model class declares (empty lists when it declares none)."""
+    return {
+        "fsdp": list(getattr(model, "mm_fsdp_modules", []) or []),
+        "recompute": list(getattr(model, "mm_recompute_modules", []) or []),
+        "ep": list(getattr(model, "mm_ep_modules", []) or []),
+        "muon_exclude": list(getattr(model, "mm_muon_exclude_modules", []) or []),
+    }

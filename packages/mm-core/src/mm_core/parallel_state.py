@@ -1,0 +1,163 @@
+"""Parallel sizes from the ``parallel`` block, the process group, and the device meshes built from them.
+
+Layout: ``world = dp_replicate x dp_shard x cp``. FSDP shards parameters over ``dp_shard`` (x ``cp``);
+``dp_replicate > 1`` gives HSDP; ``fully_shard_parallel_size: 1`` gives plain data parallelism (DDP).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mm_core.config.schema import ParallelConfig
+from mm_core.errors import ConfigError
+from mm_parallel.device import backend_for, detect_device_type, set_local_device
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Resolved sizes of every parallel dimension for one world size."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    ulysses: int = 1
+    ring: int = 1
+    ep: int = 1
+
+    @property
+    def cp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many ranks read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one parameter is sharded over."""
+        return self.dp_shard * self.cp
+
+    @property
+    def layout(self) -> str:
+        if self.world_size == 1:
+            return "single process"
+        if self.dp_shard == 1:
+            return f"DDP x{self.dp_replicate}"
+        if self.dp_replicate > 1:
+            return f"HSDP {self.dp_replicate} replicas x {self.dp_shard} shards"
+        return f"FSDP x{self.dp_shard}"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
+    """Check the ``parallel`` block against a world size; raise :class:`ConfigError` naming the key."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be positive, got {world_size}")
+    for key in ("ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
+        value = getattr(cfg, key)
+        if value != 1:
+            raise ConfigError(
+                f"parallel.{key}: got {value}; this version of mm does not provide this kind of parallelism "
+                "yet, only 1 is accepted"
+            )
+    cp = cfg.ulysses_parallel_size * cfg.ring_attention_size
+    if world_size % cp:
+        raise ConfigError(f"parallel: ulysses x ring = {cp} must divide the world size {world_size}")
+    dp = world_size // cp
+    if cfg.data_parallel_size != "auto" and cfg.data_parallel_size != dp:
+        raise ConfigError(
+            f"parallel.data_parallel_size: got {cfg.data_parallel_size}; with world size {world_size} and "
+            f"context parallel {cp} it must be {dp} (or auto)"
+        )
+    fs = cfg.fully_shard_parallel_size
+    if fs == "auto":
+        fs = world_size
+    if world_size % fs:
+        raise ConfigError(
+            f"parallel.fully_shard_parallel_size: got {fs}; must divide the world size {world_size} "
+            f"(accepted: {_divisors(world_size)} or auto)"
+        )
+    if fs % cp and fs != 1:
+        raise ConfigError(
+            f"parallel.fully_shard_parallel_size: got {fs}; must be a multiple of the context-parallel size {cp}"
+        )
+    dp_shard = 1 if fs == 1 else fs // cp
+    return ParallelSizes(
+        world_size=world_size,
+        dp_replicate=dp // dp_shard,
+        dp_shard=dp_shard,
+        ulysses=cfg.ulysses_parallel_size,
+        ring=cfg.ring_attention_size,
+        ep=cfg.expert_parallel_size,
+    )
+
+
+@dataclass
+class ParallelState:
+    """This process's place in the job: sizes, device and meshes (passed explicitly, never global)."""
+
+    sizes: ParallelSizes
+    rank: int
+    local_rank: int
+    device: torch.device
+    world_mesh: DeviceMesh
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D ``(dp_shard,)`` for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP and DDP."""
+        if self.sizes.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank among the ranks that read different data."""
+        coord = self.world_mesh.get_coordinate()
+        return coord[0] * self.sizes.dp_shard + coord[1]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """All ranks that read different data (for counting tokens)."""
+        return dist.group.WORLD
+
+
+def init_distributed(device_type: str | None = None, timeout_s: int = 1800) -> tuple[int, int, int, str]:
+    """Join the process group that torchrun set up (or a 1-process group); returns rank, local rank,
+    world size and device type."""
+    device_type = device_type or detect_device_type()
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return dist.get_rank(), local_rank, dist.get_world_size(), device_type
+
+
+def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> ParallelState:
+    """Resolve sizes against the live process group and build the device mesh."""
+    rank, local_rank, world, device_type = init_distributed(device_type)
+    sizes = resolve_sizes(cfg, world)
+    device = set_local_device(device_type, local_rank)
+    mesh = init_device_mesh(
+        device_type, (sizes.dp_replicate, sizes.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+    return ParallelState(sizes=sizes, rank=rank, local_rank=local_rank, device=device, world_mesh=mesh)

@@ -1,0 +1,138 @@
+"""Apply the YAML's plans to a built model: freeze, FSDP2 units, meta-device materialisation.
+
+This is where config meets mm-parallel: patterns are resolved here (errors name the YAML key), and
+mm-parallel is called with explicit modules and meshes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mm_core.config.schema import MMConfig
+from mm_core.errors import ConfigError
+from mm_core.models.hub import model_plans
+from mm_core.parallel_state import ParallelState
+from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
+from mm_parallel.patterns import PatternError, match_modules, select_modules
+
+_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+
+
+def to_dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else _DTYPES[name]
+
+
+def resolve_patterns(model: nn.Module, patterns: list[str], key: str) -> dict[str, list[str]]:
+    """``match_modules`` with errors that name the YAML key."""
+    try:
+        return match_modules(model, patterns)
+    except PatternError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def fsdp_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
+    """The FSDP unit patterns and where they came from (the YAML, or the model's default plan)."""
+    if cfg.parallel.fsdp_plan.apply_modules:
+        return list(cfg.parallel.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules"
+    return model_plans(model)["fsdp"], f"default plan of {type(model).__name__}"
+
+
+def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Set ``requires_grad=False`` on every parameter of the matched modules; returns the module names."""
+    if not patterns:
+        return []
+    names = sorted({n for hits in resolve_patterns(model, patterns, "model.freeze").values() for n in hits})
+    modules = dict(model.named_modules())
+    for name in names:
+        for p in modules[name].parameters():
+            p.requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("model.freeze: every parameter is frozen; nothing would train")
+    return names
+
+
+def ignored_params(model: nn.Module, cfg: MMConfig) -> set[nn.Parameter]:
+    """Parameters of ``fsdp_plan.ignored_modules``: kept whole on every rank, so they must be frozen."""
+    patterns = cfg.parallel.fsdp_plan.ignored_modules
+    if not patterns:
+        return set()
+    key = "parallel.fsdp_plan.ignored_modules"
+    out: set[nn.Parameter] = set()
+    for name, module in select_modules_checked(model, patterns, key):
+        for pname, p in module.named_parameters():
+            if p.requires_grad:
+                raise ConfigError(
+                    f"{key}: {name}.{pname} is trainable; FSDP does not reduce gradients of ignored modules, "
+                    "so only frozen modules (model.freeze) may be ignored"
+                )
+            out.add(p)
+    return out
+
+
+def select_modules_checked(model: nn.Module, patterns: list[str], key: str) -> list[tuple[str, nn.Module]]:
+    resolve_patterns(model, patterns, key)
+    return select_modules(model, patterns)
+
+
+def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Module:
+    """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root."""
+    patterns, source = fsdp_patterns(model, cfg)
+    units = [m for _, m in select_modules_checked(model, patterns, source)]
+    # inner modules must be wrapped before the modules that contain them
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    units.sort(key=lambda m: -depth[id(m)])
+    plan = cfg.parallel.fsdp_plan
+    mp = mixed_precision_policy(
+        to_dtype(plan.param_dtype), to_dtype(plan.reduce_dtype), to_dtype(plan.output_dtype),
+        plan.cast_forward_inputs,
+    )
+    return apply_fsdp(
+        model, state.fsdp_mesh, units, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward,
+        cpu_offload=plan.cpu_offload, ignored_params=ignored_params(model, cfg) or None,
+    )
+
+
+@torch.no_grad()
+def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> None:
+    """Allocate a meta-built (and sharded) model on ``device``; with ``init``, initialise every tensor.
+
+    Memory is first filled with NaN so that a tensor the model's init forgets is caught here, by name.
+    """
+    model.to_empty(device=device)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for _, t in tensors:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    if not init:
+        return
+    init_fn = getattr(model, "init_weights", None)
+    if not callable(init_fn):
+        raise ConfigError(
+            f"training.init_model_with_meta_device: {type(model).__name__} has no init_weights(); "
+            "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
+        )
+    init_fn()
+    check_initialised(model)
+
+
+def check_initialised(model: nn.Module) -> None:
+    """Raise if any floating parameter or buffer still holds NaN after initialisation or loading."""
+    bad = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if torch.isnan(local).any():
+                bad.append(name)
+    flag = torch.tensor([len(bad)], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(flag)  # every rank must agree, or the ones that did not raise would hang
+    if flag.item() and not bad:
+        raise ConfigError("model: tensors were left uninitialised after building on meta (on another rank)")
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ConfigError(f"model: {len(bad)} tensors were left uninitialised after building on meta: {shown}")

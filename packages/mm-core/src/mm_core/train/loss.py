@@ -1,0 +1,45 @@
+"""Losses normalised so that every parallel layout trains what one process would.
+
+For ``per_token_loss`` (the default) each rank returns ``sum of its token losses * grad_scale / global
+label tokens``; FSDP's gradient averaging over ``grad_scale`` ranks then yields the gradient of the global
+token mean. ``per_sample_loss`` does the same with samples. ``raw`` uses the model's own ``.loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with inputs (Hugging Face convention) -> the target of each position."""
+    pad = torch.full_like(labels[..., :1], IGNORE_INDEX)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position cross entropy in fp32, zero where ``targets`` is ignored; shape of ``targets``."""
+    flat = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    return flat.view(targets.shape)
+
+
+def count_units(targets: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """How many units (label tokens, or samples with any label) this micro-batch contributes."""
+    valid = targets != IGNORE_INDEX
+    if loss_type == "per_sample_loss":
+        return valid.any(dim=-1).sum()
+    return valid.sum()
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The summed loss of a micro-batch: over tokens, or over per-sample token means."""
+    losses = token_losses(logits, targets)
+    if loss_type == "per_sample_loss":
+        n = (targets != IGNORE_INDEX).sum(dim=-1)
+        return (losses.sum(dim=-1) / n.clamp(min=1)).sum()
+    return losses.sum()

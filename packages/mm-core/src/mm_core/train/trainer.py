@@ -1,0 +1,251 @@
+"""The training loop: build everything from the config, then step, log and checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+
+from mm_core.checkpoint import (
+    RNGState,
+    TrainingState,
+    TrainProgress,
+    load_checkpoint,
+    resolve_load_path,
+    save_checkpoint,
+)
+from mm_core.config.schema import MMConfig
+from mm_core.config.support import check_supported
+from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
+from mm_core.models.hub import ModelHub, has_weights, model_plans
+from mm_core.optim import build_optimizer, build_scheduler
+from mm_core.parallel_state import ParallelState, init_parallel_state
+from mm_core.parallelize import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
+from mm_core.registry import import_plugins
+from mm_core.train.loss import count_units, loss_sum, shift_labels
+from mm_core.train.metrics import MetricsLogger, peak_memory_gb
+from mm_parallel.grad import clip_grad_norm_
+
+log = logging.getLogger("mm")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def output_dir_for(cfg: MMConfig, config_path: str | None) -> Path:
+    """``training.output_dir``, or ``outputs/<config file stem>``."""
+    if cfg.training.output_dir:
+        return Path(cfg.training.output_dir)
+    return Path("outputs") / (Path(config_path).stem if config_path else "run")
+
+
+class Trainer:
+    """Owns one training run. ``Trainer(cfg).train()`` is the whole job; every piece is built in
+    :meth:`setup` from the config and the live process group."""
+
+    def __init__(self, cfg: MMConfig, config_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.out_dir = output_dir_for(cfg, config_path)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self) -> Trainer:
+        cfg, tcfg = self.cfg, self.cfg.training
+        check_supported(cfg)
+        import_plugins(tcfg.plugin)
+        self.state: ParallelState = init_parallel_state(cfg.parallel)
+        if tcfg.use_deter_comp:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(tcfg.seed)
+        self.model = self._build_model()
+        self.float_dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
+        if self.float_dtype == torch.float32:
+            self.float_dtype = None
+
+        dataset = build_dataset(cfg.data, tcfg.seed)
+        collate = build_collator(cfg.data, dataset)
+        self.loader = build_dataloader(
+            dataset, collate, cfg.data, micro_batch_size=tcfg.micro_batch_size,
+            dp_size=self.state.sizes.dp, dp_rank=self.state.dp_rank, seed=tcfg.seed,
+        )
+        self.batches = EpochIterator(self.loader)
+
+        self.optimizer = build_optimizer(self.model, tcfg, model_plans(self.model))
+        self.scheduler = build_scheduler(self.optimizer, tcfg)
+        self.progress = TrainProgress(world_size=self.state.sizes.world_size)
+        self.train_state = TrainingState(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress,
+            per_rank={"data": self.batches, "rng": RNGState(self.state.device)},
+        )
+        self._resume()
+        return self
+
+    def _build_model(self) -> nn.Module:
+        cfg, tcfg = self.cfg, self.cfg.training
+        meta = tcfg.init_model_with_meta_device
+        model = ModelHub.build(cfg.model, meta=meta)
+        apply_freeze(model, cfg.model.freeze)
+        if not meta:
+            model.to(self.state.device)
+        model = shard_model(model, cfg, self.state)
+        if meta:
+            weights_from_load = tcfg.load is not None
+            hf_weights = (not cfg.model.from_scratch and cfg.model.model_name_or_path
+                          and has_weights(cfg.model.model_name_or_path))
+            materialize_meta(model, self.state.device, init=not (weights_from_load or hf_weights))
+            if hf_weights and not weights_from_load:
+                from mm_core.convert import load_hf_weights
+
+                load_hf_weights(model, cfg.model.model_name_or_path)
+                check_initialised(model)
+        model.train()
+        return model
+
+    def _resume(self) -> None:
+        tcfg = self.cfg.training
+        if tcfg.load is None:
+            return
+        path = resolve_load_path(tcfg.load, tcfg.save)
+        if path is None:
+            self._info(f"training.load: auto found no checkpoint under {tcfg.save}; starting fresh")
+            return
+        report = load_checkpoint(
+            path, self.train_state, load_optim=not tcfg.no_load_optim, load_rng=not tcfg.no_load_rng,
+            strict=tcfg.load_strict,
+        )
+        if tcfg.init_model_with_meta_device:
+            check_initialised(self.model)
+        missing = report["missing_model_keys"]
+        note = f"; {len(missing)} model tensors were not in it: {', '.join(missing[:5])}" if missing else ""
+        self._info(f"loaded {path} ({', '.join(report['loaded'])}) at step {self.progress.step}{note}")
+
+    def _info(self, msg: str) -> None:
+        if self.state.is_main:
+            log.warning(msg)
+
+    # ------------------------------------------------------------------------------------------- step
+    def _next_micro_batches(self) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(self.cfg.training.grad_accum):
+            batch = next(self.batches)
+            batch.pop("sample_id", None)
+            out.append(batch)
+        return out
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics."""
+        loss_type = self.cfg.model.loss_cfg.loss_type
+        raw = loss_type == "raw"
+        device = self.state.device
+        prepared, local_units, local_tokens = [], torch.zeros((), dtype=torch.float64), 0
+        for batch in micro_batches:
+            batch = move_to_device(batch, device, self.float_dtype)
+            mask = batch.get("attention_mask")
+            local_tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            targets = None
+            if not raw:
+                if "labels" not in batch:
+                    raise KeyError("the batch has no 'labels'; mm's loss needs them (or use loss_type: raw)")
+                targets = shift_labels(batch.pop("labels"))
+                local_units += count_units(targets, loss_type).double().cpu()
+            prepared.append((batch, targets))
+        # one collective for the normalisers: global label units and tokens of this step
+        counts = torch.tensor([float(local_units), float(local_tokens)], dtype=torch.float64)
+        dist.all_reduce(counts)
+        global_units, global_tokens = counts.tolist()
+        grad_scale = float(self.state.sizes.fsdp * self.state.sizes.dp_replicate)
+
+        loss_acc = torch.zeros((), dtype=torch.float64)
+        for batch, targets in prepared:
+            out = self.model(**batch, use_cache=False)
+            if raw:
+                loss = out.loss / len(prepared)
+                contrib = loss.detach()
+            else:
+                s = loss_sum(out.logits, targets, loss_type)
+                loss = s * (grad_scale / max(global_units, 1.0))
+                contrib = s.detach()
+            loss.backward()
+            loss_acc += contrib.double().cpu()
+        dist.all_reduce(loss_acc)
+        step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.clip_grad)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": step_loss, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(global_tokens)}
+
+    # ------------------------------------------------------------------------------------------- loop
+    def train(self) -> list[dict[str, Any]]:
+        """Run until ``training.train_iters``; returns the logged records (on every rank)."""
+        cfg, tcfg = self.cfg, self.cfg.training
+        main = self.state.is_main
+        if main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(self.config_text(), encoding="utf-8")
+        tb = cfg.tools.tensorboard
+        logger = MetricsLogger(
+            self.out_dir, enabled=main, total_steps=tcfg.train_iters, start_step=self.progress.step,
+            tensorboard_dir=(Path(tb.log_dir) if tb.log_dir else self.out_dir / "tb") if tb.enable else None,
+            progress_bar=tcfg.progress_bar,
+        )
+        records: list[dict[str, Any]] = []
+        sync = getattr(torch, self.state.device_type).synchronize if self.state.device_type != "cpu" else None
+        try:
+            while self.progress.step < tcfg.train_iters:
+                t0 = time.perf_counter()
+                micro = self._next_micro_batches()
+                metrics = self.train_step(micro)
+                if sync is not None:
+                    sync()
+                dt = time.perf_counter() - t0
+                self.progress.step += 1
+                self.progress.consumed_samples += tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
+                self.progress.consumed_tokens += metrics["tokens"]
+                step = self.progress.step
+                if step % tcfg.log_interval == 0 or step == tcfg.train_iters:
+                    peak = torch.tensor([peak_memory_gb(self.state.device)])
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                    record = {"step": step, **metrics, "tokens_per_s": metrics["tokens"] / dt,
+                              "step_time_s": dt, "peak_mem_gb": peak.item()}
+                    records.append(record)
+                    logger.log(record)
+                logger.advance()
+                if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
+                    self.save()
+        finally:
+            logger.close()
+        return records
+
+    def config_text(self) -> str:
+        return yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
+
+    def save(self) -> Path:
+        tcfg = self.cfg.training
+        path = save_checkpoint(
+            tcfg.save, self.progress.step, self.train_state, save_optim=not tcfg.no_save_optim,
+            save_rng=not tcfg.no_save_rng, config_text=self.config_text(), keep=tcfg.save_total_limit,
+        )
+        self._info(f"saved checkpoint {path}")
+        return path
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

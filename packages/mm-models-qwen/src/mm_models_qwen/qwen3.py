@@ -1,0 +1,18 @@
+"""Dense Qwen3 (``model.model_id: qwen3``): transformers' ``Qwen3ForCausalLM`` with mm's default plans."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from transformers import Qwen3ForCausalLM
+
+from mm_core.models import ModelPlans
+
+
+class Qwen3ForTraining(Qwen3ForCausalLM, ModelPlans):
+    """Exactly ``Qwen3ForCausalLM`` (same weights, same names, exports as ``Qwen3ForCausalLM``), plus the
+    plans mm uses when the YAML leaves them out: each decoder layer is one FSDP unit and one recompute
+    unit; embeddings and the head stay in the root unit."""
+
+    mm_fsdp_modules: ClassVar[list[str]] = ["model.layers.{*}"]
+    mm_recompute_modules: ClassVar[list[str]] = ["model.layers.{*}"]

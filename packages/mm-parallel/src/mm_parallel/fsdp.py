@@ -1,0 +1,70 @@
+"""FSDP2 (``fully_shard``) over an explicit mesh: FSDP, HSDP and DDP from one code path.
+
+- 1-D mesh ``(dp_shard,)``: parameters sharded over every rank (FSDP, ZeRO-3).
+- 2-D mesh ``(dp_replicate, dp_shard)``: sharded inside each replica group, all-reduced across groups
+  (HSDP). With ``dp_shard == 1`` this is plain data parallelism (DDP): whole fp32 parameters on every rank,
+  gradients all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def mixed_precision_policy(
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+) -> MixedPrecisionPolicy:
+    """A :class:`MixedPrecisionPolicy`; a dtype equal to fp32 master weights becomes ``None`` (no cast)."""
+
+    def _norm(d: torch.dtype | None) -> torch.dtype | None:
+        return None if d in (None, torch.float32) else d
+
+    return MixedPrecisionPolicy(
+        param_dtype=_norm(param_dtype),
+        reduce_dtype=reduce_dtype if _norm(param_dtype) is not None else _norm(reduce_dtype),
+        output_dtype=_norm(output_dtype),
+        cast_forward_inputs=cast_forward_inputs,
+    )
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[nn.Module],
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> FSDPModule:
+    """Shard each module in ``units`` as its own FSDP unit (in the given order), then the root ``model``.
+
+    ``units`` must be submodules of ``model``; nested units are fine (inner ones first). Returns the root,
+    which is now an :class:`FSDPModule`.
+    """
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp expects a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        ignored_params=ignored_params,
+    )
+    owned = {id(m) for m in model.modules()}
+    for unit in units:
+        if id(unit) not in owned:
+            raise ValueError(f"FSDP unit {type(unit).__name__} is not a submodule of the model")
+        if unit is model:
+            continue
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model  # type: ignore[return-value]

@@ -1,0 +1,61 @@
+"""Gradient-norm clipping that is correct for DTensor gradients on any number of meshes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _group_key(t: torch.Tensor) -> tuple:
+    if isinstance(t, DTensor):
+        return (id(t.device_mesh), tuple(t.placements), t.device)
+    return (None, (), t.device)
+
+
+@torch.no_grad()
+def total_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm over all ``params`` (sharded, replicated or plain), as a plain tensor.
+
+    Gradients are grouped by mesh and placements so that each group reduces over its own mesh; the group
+    norms are then combined. Every rank gets the same value.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[_group_key(p.grad)].append(p.grad)
+    norm_type = float(norm_type)
+    parts: list[torch.Tensor] = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        parts.append(norm.float())
+    if not parts:
+        return torch.tensor(0.0)
+    device = parts[0].device
+    stacked = torch.stack([p.to(device) for p in parts])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    ``max_norm`` of ``None`` or ``0`` only measures the norm.
+    """
+    params = [p for p in params if p.grad is not None]
+    total = total_grad_norm(params, norm_type)
+    if max_norm:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            groups[_group_key(p.grad)].append(p.grad)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
