@@ -30,7 +30,11 @@ def total_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> t
     norm_type = float(norm_type)
     parts: list[torch.Tensor] = []
     for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
+        # CPU reductions of long fp32 vectors drift by ~1e-5 relative, enough to make the same gradients
+        # report different norms under different shardings: accumulate in fp64 there.
+        acc = torch.float64 if grads[0].device.type == "cpu" else torch.float32
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in grads]
+        norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         parts.append(norm.float())

@@ -1,0 +1,35 @@
+"""Helpers for the cross-package tests: run ``mm`` as a user would and read its outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
+
+
+def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the ``mm`` CLI in a subprocess (one thread per rank, as on the CI machine)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mm_core.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def assert_close_series(a: list[float], b: list[float], rtol: float, what: str) -> None:
+    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} values"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12), f"{what} step {i + 1}: {x!r} vs {y!r}"
