@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from mm_core.errors import MMError
@@ -31,6 +32,9 @@ def guarded(fn: Callable[[], int | None]) -> int:
 def run_worker(argv: list[str]) -> int:
     """One training process (under torchrun or the local launcher): ``CFG [key=value ...]``."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # known-harmless library warnings that would bury mm's own output on every rank
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     parser = argparse.ArgumentParser(prog="python -m mm_core.train")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -40,6 +41,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
+    # the workers print their own errors; the agent's log would add a traceback to a one-line user error
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, _worker_main)(argv)
     except ChildFailedError as exc:

@@ -99,17 +99,18 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
 
 @torch.no_grad()
 def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> None:
-    """Allocate a meta-built (and sharded) model on ``device``; with ``init``, initialise every tensor.
+    """Allocate a meta-built (and sharded) model on ``device`` and run its ``init_weights()``.
 
-    Memory is first filled with NaN so that a tensor the model's init forgets is caught here, by name.
+    With ``init=False`` (weights will be loaded next) the parameters are then filled with NaN, so that any
+    parameter the checkpoint does not provide is caught by :func:`check_initialised`, by name; buffers keep
+    their initial values (non-persistent ones such as rotary frequencies are never in a checkpoint).
+    With ``init=True`` everything is NaN-filled first, so a tensor the model's init forgets is caught.
     """
     model.to_empty(device=device)
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    for _, t in tensors:
+    tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+    for t in tensors:
         if t.is_floating_point():
             t.fill_(float("nan"))
-    if not init:
-        return
     init_fn = getattr(model, "init_weights", None)
     if not callable(init_fn):
         raise ConfigError(
@@ -117,7 +118,12 @@ def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> N
             "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
         )
     init_fn()
-    check_initialised(model)
+    if init:
+        check_initialised(model)
+        return
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.fill_(float("nan"))
 
 
 def check_initialised(model: nn.Module) -> None:

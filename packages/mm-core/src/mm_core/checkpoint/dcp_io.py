@@ -27,13 +27,18 @@ CONFIG_FILE = "mm_config.yaml"
 
 
 class ModelState:
-    """The model's (sharded) state dict, with fully qualified names that match the unwrapped model."""
+    """The model's (sharded) state dict, with fully qualified names that match the unwrapped model.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``skip`` names keys to leave out when loading: aliases of tied parameters that a checkpoint stores
+    only once (e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight`` in a Hugging Face export)."""
+
+    def __init__(self, model: nn.Module, skip: set[str] | None = None) -> None:
         self.model = model
+        self.skip = skip or set()
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        return {k: v for k, v in state.items() if k not in self.skip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
@@ -133,10 +138,24 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> list[str]:
+def tied_aliases(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list[str], set[str]]:
+    """Missing model keys (a tied group counts as present when any alias is stored), and the aliases to
+    skip when loading."""
     stored = {k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")}
     expected = set(get_model_state_dict(ts.model))
-    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
+    skip: set[str] = set()
+    for names in tied_aliases(ts.model):
+        if any(n in stored for n in names):
+            skip.update(n for n in names if n not in stored)
+    missing, unexpected = sorted(expected - stored - skip), sorted(stored - expected)
     if strict and (missing or unexpected):
         def show(keys: list[str]) -> str:
             return ", ".join(keys[:10]) + (f" ... ({len(keys)} in all)" if len(keys) > 10 else "") or "none"
@@ -146,7 +165,7 @@ def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> list[str]:
             f"checkpoint: {show(missing)}. Unexpected in the checkpoint: {show(unexpected)}. Set "
             "training.load_strict: false to load the matching tensors only."
         )
-    return missing
+    return missing, skip
 
 
 def load_checkpoint(
@@ -159,8 +178,9 @@ def load_checkpoint(
     if not layout.is_checkpoint(path):
         raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
     stored_top = {k.split(".", 1)[0] for k in checkpoint_keys(path)}
-    missing = _check_model_keys(path, ts, strict)
+    missing, skip = _check_model_keys(path, ts, strict)
     states = _states(ts, optim=load_optim, rng=load_rng)
+    states["model"] = ModelState(ts.model, skip=skip | set(missing))
     states = {k: v for k, v in states.items() if k in stored_top}
     per_rank_stored = any(k.rsplit("_rank", 1)[0] in ts.per_rank for k in stored_top if "_rank" in k)
     if "progress" in stored_top and per_rank_stored:
