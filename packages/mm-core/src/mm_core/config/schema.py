@@ -141,6 +141,21 @@ class LoraConfig(Block):
     target_modules: list[str] = Field(default_factory=list)
 
 
+class MuonConfig(Block):
+    """``training.muon``: used when ``training.optimizer: muon`` (see docs/muon.md)."""
+
+    momentum: float = Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    ns_steps: int = Field(5, ge=1)
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+    eps: float = Field(1e-7, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    ns_dtype: DTypeName = "bf16"
+    adamw_lr: float | None = Field(None, ge=0)
+    exclude: list[str] = Field(default_factory=list)
+    clip_muon_params: bool = True
+
+
 class TrainingConfig(Block):
     micro_batch_size: int = Field(1, ge=1)
     gradient_accumulation_steps: int | None = Field(1, ge=1)
@@ -172,6 +187,7 @@ class TrainingConfig(Block):
     use_deter_comp: bool = False
     plugin: list[str] = Field(default_factory=list)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    muon: MuonConfig = Field(default_factory=MuonConfig)
     output_dir: str | None = None
     progress_bar: bool = True
 

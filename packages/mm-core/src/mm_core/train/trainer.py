@@ -28,6 +28,7 @@ from mm_core.config.support import check_supported
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
+from mm_core.optim.muon import clip_grad_norm_adamw_only_
 from mm_core.parallel_state import ParallelState, init_parallel_state
 from mm_core.parallelize import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
 from mm_core.registry import import_plugins
@@ -184,7 +185,11 @@ class Trainer:
         step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
 
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.clip_grad)
+        tcfg = self.cfg.training
+        if tcfg.optimizer == "muon" and not tcfg.muon.clip_muon_params:
+            grad_norm = clip_grad_norm_adamw_only_(params, self.optimizer, tcfg.clip_grad)
+        else:
+            grad_norm = clip_grad_norm_(params, tcfg.clip_grad)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

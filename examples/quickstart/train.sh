@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch the quickstart (or any mm config) with torchrun, on one machine or several.
+# On each node: NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> bash examples/quickstart/train.sh
+set -euo pipefail
+CONFIG="${CONFIG:-examples/quickstart/config.yaml}"
+
+# Accelerator environment, only where it exists (Ascend CANN toolkit).
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+  export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1200}"
+  export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
+fi
+
+NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-localhost}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+
+torchrun \
+  --nproc_per_node "$NPROC_PER_NODE" \
+  --nnodes "$NNODES" \
+  --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" \
+  --master_port "$MASTER_PORT" \
+  -m mm_core.train "$CONFIG" "$@"

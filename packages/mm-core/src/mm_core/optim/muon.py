@@ -1,0 +1,142 @@
+"""``training.optimizer: muon``: :class:`mm_parallel.optim.Muon` for hidden matrices, AdamW for the rest.
+
+Muon groups use ``training.lr`` and ``training.weight_decay``; AdamW groups use ``training.muon.adamw_lr``
+(default ``training.lr``), ``training.adam_beta1/adam_beta2/adam_eps``, and ``training.weight_decay`` on
+their matrices (embeddings, head) but not on 1-D parameters, as ``training.optimizer: adamw`` does.
+The LR scheduler scales every group by the same factor, so each group keeps its own base lr.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mm_core.config.schema import TrainingConfig
+from mm_core.errors import ConfigError
+from mm_core.parallelize import to_dtype
+from mm_parallel.grad import total_grad_norm
+from mm_parallel.optim import Muon, MuonParamPlan, classify_muon_params
+from mm_parallel.patterns import ModulePattern, PatternError, match_modules
+
+EXCLUDE_KEY = "training.muon.exclude"
+
+
+def muon_plan(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> MuonParamPlan:
+    """The Muon/AdamW split for ``model``: the classifier's rules, ``training.muon.exclude`` and the model's
+    ``mm_muon_exclude_modules`` (``plans["muon_exclude"]``).
+
+    An ``exclude`` entry is an fnmatch pattern on parameter names (``model.layers.*.mlp.gate.weight``) or a
+    module path pattern (``model.layers.{*}.mlp.gate``: everything inside the modules it matches); it must
+    match something, else :class:`ConfigError` naming ``training.muon.exclude``.
+    """
+    param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    module_names = [n for n, _ in model.named_modules() if n]
+    name_patterns: list[str] = []
+    module_patterns: list[str] = []
+    for pattern in cfg.muon.exclude:
+        by_name = any(fnmatch.fnmatchcase(n, pattern) for n in param_names)
+        try:
+            by_module = any(ModulePattern(pattern).matches(n) for n in module_names)
+        except PatternError:
+            by_module = False
+        if by_name:
+            name_patterns.append(pattern)
+        if by_module:
+            module_patterns.append(pattern)
+        if not (by_name or by_module):
+            hint = _closest(pattern, param_names)
+            raise ConfigError(
+                f"{EXCLUDE_KEY}: pattern {pattern!r} matches no parameter name (fnmatch) and no module path "
+                f"of the model.{hint}"
+            )
+    modules = dict(model.named_modules())
+    model_default = list((plans or {}).get("muon_exclude", []))
+    try:
+        matched = match_modules(model, model_default + module_patterns)
+    except PatternError as exc:
+        raise ConfigError(f"mm_muon_exclude_modules of {type(model).__name__}: {exc}") from None
+    excluded = [modules[n] for hits in matched.values() for n in hits]
+    return classify_muon_params(model, exclude=name_patterns, exclude_modules=excluded)
+
+
+def _closest(pattern: str, names: list[str]) -> str:
+    near = difflib.get_close_matches(pattern, names, n=3, cutoff=0.4)
+    return f" Closest parameter names: {near}." if near else ""
+
+
+def muon_groups(plan: MuonParamPlan, cfg: TrainingConfig) -> list[dict[str, Any]]:
+    """One Muon group, then AdamW with and without weight decay (1-D parameters take none)."""
+    adamw = {
+        "use_muon": False,
+        "lr": cfg.lr if cfg.muon.adamw_lr is None else cfg.muon.adamw_lr,
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_eps,
+    }
+    muon = [plan.params[n] for n in plan.muon_names]
+    decay = [plan.params[n] for n in plan.adamw_names if plan.params[n].ndim >= 2]
+    no_decay = [plan.params[n] for n in plan.adamw_names if plan.params[n].ndim < 2]
+    groups = [
+        {"params": muon, "use_muon": True},
+        {"params": decay, **adamw, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, **adamw, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_muon(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> torch.optim.Optimizer:
+    """The ``mm.optimizers`` factory for ``muon`` (see docs/muon.md)."""
+    m = cfg.muon
+    ns_dtype = to_dtype(m.ns_dtype)
+    if ns_dtype not in (torch.bfloat16, torch.float32):
+        raise ConfigError(f"training.muon.ns_dtype: {m.ns_dtype!r} is not supported; use bf16 or fp32")
+    plan = muon_plan(model, cfg, plans)
+    if not plan.muon_names:
+        raise ConfigError(
+            "training.optimizer: muon, but no parameter takes Muon (all excluded or not matrices); "
+            "check training.muon.exclude or use adamw"
+        )
+    return Muon(
+        muon_groups(plan, cfg),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=m.momentum,
+        nesterov=m.nesterov,
+        ns_coefficients=tuple(m.ns_coefficients),
+        eps=m.eps,
+        ns_steps=m.ns_steps,
+        adjust_lr_fn=m.adjust_lr_fn,
+        ns_dtype=ns_dtype,
+    )
+
+
+def _scale_(grads: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
+    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else (None, ())
+        buckets[(*key, g.device)].append(g)
+    for bucket in buckets.values():
+        torch._foreach_mul_(bucket, coef.to(bucket[0].device))
+
+
+@torch.no_grad()
+def clip_grad_norm_adamw_only_(
+    params: list[nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float | None
+) -> torch.Tensor:
+    """``training.muon.clip_muon_params: false``: the global norm over all ``params`` (returned and logged),
+    but only the gradients of AdamW groups are scaled. Muon's update is orthogonalised, hence invariant
+    to the scale of its gradient (up to ``eps`` and momentum mixing), so clipping it mostly reweights the
+    momentum history."""
+    params = [p for p in params if p.grad is not None]
+    total = total_grad_norm(params)
+    if max_norm:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        adamw = {id(p) for g in optimizer.param_groups if not g.get("use_muon", True) for p in g["params"]}
+        _scale_([p.grad for p in params if id(p) in adamw], coef)
+    return total

@@ -1,0 +1,207 @@
+"""A third-party model package, pip-installed, trains through ``mm train`` on 2 gloo processes.
+
+The package lives only in tmp_path: its own pyproject.toml (hatchling) registers ``tiny_mlp`` in the
+``mm.models`` entry-point group. It is installed into this interpreter's environment with pip (that is the
+point: no path imports) and uninstalled afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO_ROOT / "examples" / "quickstart"
+DIST = "tiny-mm-plugin"
+VERSION = "0.0.1"
+SEQ_LEN = 64
+MICRO_BATCH = 2
+NPROC = 2
+
+PYPROJECT = f"""\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{DIST}"
+version = "{VERSION}"
+description = "A throwaway mm model plugin for tests"
+requires-python = ">=3.10"
+dependencies = ["mm-core"]
+
+[project.entry-points."mm.models"]
+tiny_mlp = "tiny_mm_plugin.model:TinyLM"
+
+[tool.hatch.build.targets.wheel]
+packages = ["src/tiny_mm_plugin"]
+"""
+
+MODEL = '''\
+"""A tiny custom language model implementing mm_core.models.BaseModel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import ModelOutput
+
+from mm_core.models import BaseModel, ModelArguments
+
+
+@dataclass
+class TinyOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class TinyLM(nn.Module, BaseModel):
+    """Embedding, residual MLP blocks, head. Each block is an FSDP unit by default."""
+
+    mm_fsdp_modules: ClassVar[list[str]] = ["blocks.{*}"]
+
+    def __init__(self, vocab_size: int = 4096, hidden: int = 32, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(n_blocks)
+        )
+        self.head = nn.Linear(hidden, vocab_size)
+
+    @classmethod
+    def _from_config(cls, args: ModelArguments) -> TinyLM:
+        return cls(**args.config_overrides)
+
+    @classmethod
+    def from_pretrained(cls, args: ModelArguments) -> TinyLM:
+        model = cls._from_config(args)
+        if args.model_name_or_path:
+            model.load_state_dict(torch.load(f"{args.model_name_or_path}/weights.pt", weights_only=True))
+        return model
+
+    def forward(self, input_ids, labels=None, position_ids=None, **kwargs) -> TinyOutput:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        logits = self.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return TinyOutput(loss=loss, logits=logits)
+'''
+
+
+def pip(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def mm(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([str(Path(sys.executable).with_name("mm")), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_mlp_entry_points() -> list[str]:
+    """The distributions that provide ``tiny_mlp``, seen by a fresh interpreter."""
+    code = (
+        "import json; from importlib.metadata import entry_points; "
+        "print(json.dumps([ep.dist.name for ep in entry_points(group='mm.models') if ep.name == 'tiny_mlp']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def installed_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Write the package, pip-install it (no deps, no build isolation, no index), uninstall it afterwards."""
+    root = tmp_path_factory.mktemp("tiny_mm_plugin_src")
+    (root / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
+    (root / "README.md").write_text("A throwaway mm plugin.\n", encoding="utf-8")
+    pkg = root / "src" / "tiny_mm_plugin"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""Throwaway mm plugin."""\n', encoding="utf-8")
+    (pkg / "model.py").write_text(MODEL, encoding="utf-8")
+    assert tiny_mlp_entry_points() == [], "a tiny_mlp plugin is already installed; uninstall it first"
+
+    proc = pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(root))
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield root
+    finally:
+        out = pip("uninstall", "-y", DIST)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert tiny_mlp_entry_points() == [], "the plugin is still installed after pip uninstall"
+
+
+def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_path: Path) -> None:
+    # installed as a real distribution, not imported from its source folder
+    assert tiny_mlp_entry_points() == [DIST]
+
+    out_dir = tmp_path / "out"
+    cfg = {
+        "parallel": {"fully_shard_parallel_size": "auto"},  # no fsdp_plan: the model's default plan is used
+        "data": {
+            "dataset_param": {
+                "dataset_type": "text_pretrain",
+                "basic_parameters": {
+                    "dataset_dir": str(QUICKSTART / "data"),
+                    "dataset": "python_reference.jsonl",
+                    "seq_len": SEQ_LEN,
+                },
+                "preprocess_parameters": {"model_name_or_path": str(QUICKSTART / "tokenizer")},
+            },
+            "dataloader_param": {"collate_param": {"collator_id": "llm_pretrain"}},
+        },
+        "model": {
+            "model_id": "tiny_mlp",
+            "from_scratch": True,
+            "config_overrides": {"vocab_size": 4096, "hidden": 32, "n_blocks": 2},
+        },
+        "training": {
+            "micro_batch_size": MICRO_BATCH,
+            "train_iters": 3,
+            "lr": 1.0e-3,
+            "log_interval": 1,
+            "output_dir": str(out_dir),
+            "progress_bar": False,
+        },
+    }
+    path = tmp_path / "tiny_mlp.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+
+    proc = mm("train", str(path), "--nproc-per-node", str(NPROC), cwd=tmp_path)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < 20, r
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
+        assert r["tokens"] == NPROC * MICRO_BATCH * SEQ_LEN, r
+        for key in ("lr", "tokens_per_s", "step_time_s", "peak_mem_gb"):
+            assert key in r, r
+    resolved = yaml.safe_load((out_dir / "config.yaml").read_text())
+    assert resolved["model"]["model_id"] == "tiny_mlp"
+
+    plugins = mm("plugins", cwd=tmp_path)
+    assert plugins.returncode == 0, plugins.stderr
+    rows = [line.split() for line in plugins.stdout.splitlines()]
+    assert ["model", "tiny_mlp", DIST, VERSION, "tiny_mm_plugin.model:TinyLM"] in rows, plugins.stdout
