@@ -25,6 +25,7 @@ from mm_core.checkpoint import (
 )
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
+from mm_core.errors import DataError
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
@@ -159,7 +160,11 @@ class Trainer:
             targets = None
             if not raw:
                 if "labels" not in batch:
-                    raise KeyError("the batch has no 'labels'; mm's loss needs them (or use loss_type: raw)")
+                    raise DataError(
+                        f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
+                        f"{loss_type!r} computes the loss from the model's logits and the labels; use a collator "
+                        "that produces labels, or loss_type: raw to use the model's own .loss"
+                    )
                 targets = shift_labels(batch.pop("labels"))
                 local_units += count_units(targets, loss_type).double().cpu()
             prepared.append((batch, targets))

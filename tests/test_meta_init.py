@@ -1,0 +1,97 @@
+"""Meta-device init materialises every tensor (or fails naming the ones it could not), and ``model.freeze``
+keeps frozen weights unchanged. Runs in-process on a 1-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoConfig
+
+from _mm import QUICKSTART, REPO
+
+from mm_core.config import load_config
+from mm_core.errors import ConfigError
+from mm_core.models import BaseModel, ModelHub
+from mm_core.parallel_state import init_parallel_state
+from mm_core.parallelize import check_initialised, materialize_meta, shard_model
+
+SMALL = ["data.dataset_param.basic_parameters.seq_len=32", "training.micro_batch_size=2",
+         "training.progress_bar=false", "training.save=null", "tools.tensorboard.enable=false"]
+
+
+@pytest.fixture
+def group(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_meta_init_initialises_every_tensor(group):
+    cfg = load_config(QUICKSTART, SMALL)
+    state = init_parallel_state(cfg.parallel, "cpu")
+    model = ModelHub.build(cfg.model, meta=True)
+    assert all(p.is_meta for p in model.parameters())
+    shard_model(model, cfg, state)
+    materialize_meta(model, state.device, init=True)
+    check_initialised(model)  # no NaN sentinel left anywhere
+    ref = ModelHub.build(cfg.model)
+    # the same init distributions as a normal build: norms are ones, rotary frequencies equal
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    assert torch.all(model.model.norm.weight.full_tensor() == 1)
+    std = model.model.layers[0].mlp.up_proj.weight.full_tensor().std().item()
+    assert std == pytest.approx(AutoConfig.from_pretrained(cfg.model.model_name_or_path).initializer_range, rel=0.1)
+
+
+class ForgetfulModel(nn.Module, BaseModel):
+    """A custom model whose init_weights forgets one parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Parameter(torch.empty(3))
+
+    @classmethod
+    def _from_config(cls, args):
+        return cls()
+
+    @classmethod
+    def from_pretrained(cls, args):
+        return cls()
+
+    def init_weights(self) -> None:
+        self.a.reset_parameters()
+
+
+def test_uninitialised_parameter_is_named(group):
+    init_parallel_state(load_config(QUICKSTART, SMALL).parallel, "cpu")
+    with torch.device("meta"):
+        model = ForgetfulModel()
+    with pytest.raises(ConfigError, match=r"left uninitialised.*\bb\b"):
+        materialize_meta(model, torch.device("cpu"), init=True)
+
+
+def test_freeze_keeps_frozen_weights(group, tmp_path):
+    from mm_core.train import Trainer
+
+    cfg = load_config(QUICKSTART, [*SMALL, "training.train_iters=2", f"training.output_dir={tmp_path}",
+                                   "tools.tensorboard.enable=true",
+                                   "model.freeze=[model.embed_tokens, model.layers.{0-1}.self_attn]"])
+    trainer = Trainer(cfg).setup()
+    frozen = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trained = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert "model.embed_tokens.weight" in frozen and "model.layers.1.self_attn.q_proj.weight" in frozen
+    assert "model.layers.2.self_attn.q_proj.weight" in trained
+    trainer.train()
+    after = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+    assert all(torch.equal(after[n], v) for n, v in frozen.items())
+    key = "model.layers.2.self_attn.q_proj.weight"
+    assert not torch.equal(after[key], trained[key])
+    # run outputs: metrics, resolved config, TensorBoard events
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "freeze" in (tmp_path / "config.yaml").read_text()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
