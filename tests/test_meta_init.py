@@ -79,7 +79,7 @@ def test_freeze_keeps_frozen_weights(group, tmp_path):
     from mm_core.train import Trainer
 
     cfg = load_config(QUICKSTART, [*SMALL, "training.train_iters=2", f"training.output_dir={tmp_path}",
-                                   "tools.tensorboard.enable=true",
+                                   "tools.tensorboard.enable=true", "training.log_interval=1",
                                    "model.freeze=[model.embed_tokens, model.layers.{0-1}.self_attn]"])
     trainer = Trainer(cfg).setup()
     frozen = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
