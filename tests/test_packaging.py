@@ -1,0 +1,39 @@
+"""Each package builds alone from its own folder into a wheel that holds only its own import package,
+with the dependencies and entry points the architecture fixes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from _mm import REPO
+
+PACKAGES = {
+    "mm-parallel": ("mm_parallel", set()),
+    "mm-core": ("mm_core", {"mm-parallel"}),
+    "mm-models-qwen": ("mm_models_qwen", {"mm-core"}),
+    "mm-data-text": ("mm_data_text", {"mm-core"}),
+}
+
+
+@pytest.mark.parametrize("dist", sorted(PACKAGES))
+def test_package_builds_alone(dist, tmp_path):
+    import_name, mm_deps = PACKAGES[dist]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(REPO / "packages" / dist)], capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        tops = {name.split("/", 1)[0] for name in zf.namelist()}
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = [line.split(":", 1)[1].strip() for line in zf.read(meta).decode().splitlines()
+                    if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert tops - {import_name} == {n for n in tops if n.endswith(".dist-info")}
+    names = {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip() for r in requires}
+    assert {n for n in names if n.startswith("mm-")} == mm_deps
+    assert "torch_npu" not in names  # optional extra only
