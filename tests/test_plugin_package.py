@@ -12,7 +12,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,7 +76,8 @@ class TinyLM(nn.Module, BaseModel):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, hidden)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(),
+                          nn.Linear(2 * hidden, hidden))
             for _ in range(n_blocks)
         )
         self.head = nn.Linear(hidden, vocab_size)
@@ -100,22 +100,32 @@ class TinyLM(nn.Module, BaseModel):
         logits = self.head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            flat = logits[:, :-1].flatten(0, 1).float()
+            loss = F.cross_entropy(flat, labels[:, 1:].flatten(), ignore_index=-100)
         return TinyOutput(loss=loss, logits=logits)
 '''
 
 
 def pip(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def mm(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([str(Path(sys.executable).with_name("mm")), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("mm")), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tiny_mlp_entry_points() -> list[str]:
@@ -151,6 +161,7 @@ def installed_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         assert tiny_mlp_entry_points() == [], "the plugin is still installed after pip uninstall"
 
 
+@pytest.mark.slow
 def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_path: Path) -> None:
     # installed as a real distribution, not imported from its source folder
     assert tiny_mlp_entry_points() == [DIST]
@@ -190,7 +201,9 @@ def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_pa
     proc = mm("train", str(path), "--nproc-per-node", str(NPROC), cwd=tmp_path)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [
+        json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert math.isfinite(r["loss"]) and 0 < r["loss"] < 20, r

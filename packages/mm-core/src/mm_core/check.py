@@ -90,3 +90,11 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     out(f"memory/rank : {mem.total / GiB:.3f} GiB model states (params {mem.params / GiB:.3f}, grads "
         f"{mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}, gathered units {mem.gathered / GiB:.3f}); "
         "activations not included")
+    if tcfg.optimizer == "muon":
+        from mm_core.models.hub import model_plans
+        from mm_core.optim.muon import muon_plan, split_summary
+
+        lines = split_summary(muon_plan(model, tcfg, model_plans(model)))
+        out(f"optimizer   : {lines[0]}")
+        for line in lines[1:]:
+            out(line)

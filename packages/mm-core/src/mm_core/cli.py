@@ -12,10 +12,18 @@ from collections.abc import Callable
 from mm_core.errors import MMError
 
 EXIT_USER_ERROR = 2
+ERROR_DIR_ENV = "MM_ERROR_DIR"  # set by the local launcher: workers leave their user errors there
 
 
 def _error(msg: str) -> int:
+    """Report a user error. Workers started by ``mm train --nproc-per-node`` hand it to the launcher, which
+    prints each distinct message once; under torchrun every rank prints (ranks > 0 say which they are)."""
     rank = os.environ.get("RANK")
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir and rank is not None:
+        with open(os.path.join(error_dir, f"rank_{rank}.txt"), "w", encoding="utf-8") as f:
+            f.write(msg)
+        return EXIT_USER_ERROR
     prefix = "mm: error" if rank in (None, "0") else f"mm: error (rank {rank})"
     print(f"{prefix}: {msg}", file=sys.stderr, flush=True)
     return EXIT_USER_ERROR

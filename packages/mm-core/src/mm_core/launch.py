@@ -5,11 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import sys
 import uuid
 
+from pathlib import Path
+
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from mm_core.cli import ERROR_DIR_ENV
 
 
 def _free_port() -> int:
@@ -41,15 +46,31 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
-    # the workers print their own errors; the agent's log would add a traceback to a one-line user error
+    # workers leave user errors in a folder; the agent's own log would add a traceback to them
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    try:
-        elastic_launch(config, _worker_main)(argv)
-    except ChildFailedError as exc:
-        codes = {f.exitcode for f in exc.failures.values()}
-        if codes == {2}:
-            return 2
-        for rank, failure in sorted(exc.failures.items()):
-            print(f"mm: worker {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="mm-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir
+        try:
+            elastic_launch(config, _worker_main)(argv)
+        except ChildFailedError as exc:
+            messages = _collect_errors(Path(error_dir))
+            for msg, ranks in messages.items():
+                where = "" if len(ranks) == nproc or ranks == [0] else f" (rank {', '.join(map(str, ranks))})"
+                print(f"mm: error{where}: {msg}", file=sys.stderr, flush=True)
+            codes = {f.exitcode for f in exc.failures.values()}
+            if messages and codes <= {2, -15}:  # -15: ranks stopped by the agent after another failed
+                return 2
+            for rank, failure in sorted(exc.failures.items()):
+                print(f"mm: worker {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+            return 1
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
+
+
+def _collect_errors(error_dir: Path) -> dict[str, list[int]]:
+    """Distinct worker error messages, each with the ranks that reported it."""
+    found: dict[str, list[int]] = {}
+    for f in sorted(error_dir.glob("rank_*.txt"), key=lambda p: int(p.stem.split("_")[1])):
+        found.setdefault(f.read_text(encoding="utf-8"), []).append(int(f.stem.split("_")[1]))
+    return found

@@ -116,7 +116,7 @@ def describe_error(exc: ValidationError, raw: dict[str, Any]) -> str:
     """One line for the first validation error: dotted key, bad value, what is accepted."""
     errors = exc.errors()
     err = errors[0]
-    loc = _clean_loc(err["loc"])
+    loc = _clean_loc(err["loc"], raw)
     key = ".".join(str(p) for p in loc) or "<top level>"
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -131,7 +131,7 @@ def describe_error(exc: ValidationError, raw: dict[str, Any]) -> str:
     # A union (e.g. ``int | 'auto'``) fails once per member: say what each member accepts.
     msgs: list[str] = []
     for other in errors:
-        if _clean_loc(other["loc"]) == loc:
+        if _clean_loc(other["loc"], raw) == loc:
             msg = other["msg"].removeprefix("Value error, ")
             msg = msg[0].lower() + msg[1:]
             if msg not in msgs:
@@ -142,6 +142,19 @@ def describe_error(exc: ValidationError, raw: dict[str, Any]) -> str:
 _UNION_TAGS = {"int", "str", "float", "bool", "none", "list", "dict"}
 
 
-def _clean_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Drop the union-member tags pydantic puts in error locations (``int``, ``literal['auto']``)."""
-    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+def _clean_loc(loc: tuple[Any, ...], raw: Any) -> tuple[Any, ...]:
+    """Drop the union-member tags pydantic puts in error locations (``int``, ``literal['auto']``), walking
+    the raw input alongside so that a real key spelled like a tag (``list``) is kept."""
+    out: list[Any] = []
+    node = raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
+            continue
+        else:
+            node = None
+        out.append(part)
+    return tuple(out)

@@ -6,18 +6,33 @@ forbids unknown keys; the loader turns validation failures into one-line errors 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Auto = Literal["auto"]
 DTypeName = Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"]
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    return any(_accepts_bool(a) for a in get_args(annotation))
 
 
 class Block(BaseModel):
     """Base of every config block: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML ``true``/``false`` is not a number (pydantic would read it as 1/0)."""
+        if isinstance(value, bool) and info.field_name in cls.model_fields:
+            if not _accepts_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError("expected a number or text, not a boolean")
+        return value
 
 
 # --------------------------------------------------------------------------------------------- parallel

@@ -24,15 +24,36 @@ def has_weights(path: str | Path) -> bool:
     return any((p / f).is_file() for f in _WEIGHT_FILES) or any(p.glob("*.safetensors"))
 
 
-def _update_config(config: PretrainedConfig, overrides: dict[str, Any], prefix: str) -> None:
+# Keys transformers derives from others at construction; an override of the source makes them stale.
+_DERIVED = {"num_hidden_layers": ("layer_types",)}
+
+
+def _merge_overrides(
+    config: PretrainedConfig, data: dict[str, Any], overrides: dict[str, Any], prefix: str
+) -> dict[str, Any]:
+    """Apply overrides to a config's dict form (checking each key exists), dropping stale derived keys."""
     for key, value in overrides.items():
         current = getattr(config, key, None)
-        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
-            _update_config(current, value, f"{prefix}.{key}")
-        elif not hasattr(config, key):
+        if not hasattr(config, key):
             raise ConfigError(f"{prefix}.{key}: {type(config).__name__} has no attribute {key!r}")
-        else:
-            setattr(config, key, value)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            data[key] = _merge_overrides(current, dict(data.get(key) or current.to_dict()), value, f"{prefix}.{key}")
+            continue
+        data[key] = value
+        for derived in _DERIVED.get(key, ()):
+            if derived not in overrides:
+                data.pop(derived, None)
+    return data
+
+
+def _update_config(config: PretrainedConfig, overrides: dict[str, Any], prefix: str) -> PretrainedConfig:
+    if not overrides:
+        return config
+    data = _merge_overrides(config, config.to_dict(), overrides, prefix)
+    try:
+        return type(config).from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix}: {type(config).__name__} rejects the overrides: {exc}") from None
 
 
 def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> PretrainedConfig:
@@ -47,7 +68,7 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     else:
         config = model_cls.config_class()
-    _update_config(config, args.config_overrides, "model.config_overrides")
+    config = _update_config(config, args.config_overrides, "model.config_overrides")
     config.use_cache = False
     return config
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -57,11 +58,13 @@ def muon_plan(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) 
                 f"of the model.{hint}"
             )
     modules = dict(model.named_modules())
+    # the model's defaults may name modules that this configuration of the model does not have
     model_default = list((plans or {}).get("muon_exclude", []))
     try:
-        matched = match_modules(model, model_default + module_patterns)
+        matched = match_modules(model, model_default, allow_empty=True)
     except PatternError as exc:
         raise ConfigError(f"mm_muon_exclude_modules of {type(model).__name__}: {exc}") from None
+    matched.update(match_modules(model, module_patterns))
     excluded = [modules[n] for hits in matched.values() for n in hits]
     return classify_muon_params(model, exclude=name_patterns, exclude_modules=excluded)
 
@@ -140,3 +143,22 @@ def clip_grad_norm_adamw_only_(
         adamw = {id(p) for g in optimizer.param_groups if not g.get("use_muon", True) for p in g["params"]}
         _scale_([p.grad for p in params if id(p) in adamw], coef)
     return total
+
+
+def split_summary(plan: MuonParamPlan, names_per_reason: int = 3) -> list[str]:
+    """Lines for ``mm check``: tensor and element counts per optimizer, then per reason a few names."""
+    numel = {d.name: plan.params[d.name].numel() for d in plan.decisions}
+    by_reason: dict[tuple[bool, str], list[str]] = defaultdict(list)
+    for d in plan.decisions:
+        tied = f" (tied: {', '.join(d.aliases)})" if d.aliases else ""
+        reason = re.sub(r"(?<=\.)\d+(?=[.\s)]|$)", "{*}", d.reason)  # one line for all layers
+        by_reason[(d.use_muon, reason)].append(d.name + tied)
+    muon, adamw = plan.muon_names, plan.adamw_names
+    lines = [
+        f"muon {len(muon)} tensors ({sum(numel[n] for n in muon):,} elements), "
+        f"adamw {len(adamw)} tensors ({sum(numel[n] for n in adamw):,} elements)"
+    ]
+    for (use_muon, reason), names in sorted(by_reason.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
+        shown = ", ".join(names[:names_per_reason]) + (", ..." if len(names) > names_per_reason else "")
+        lines.append(f"  {'muon ' if use_muon else 'adamw'} {len(names):>4}  {reason}: {shown}")
+    return lines
