@@ -16,7 +16,11 @@ def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -
     """Run the ``mm`` CLI in a subprocess (one thread per rank, as on the CI machine)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "mm_core.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "mm_core.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
     if check and proc.returncode != 0:

@@ -8,14 +8,18 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _mm import QUICKSTART, REPO, mm, read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from _mm import QUICKSTART, REPO, mm, read_metrics
-
 COMMON = [
-    "training.log_interval=1", "training.seed=3", "data.dataset_param.basic_parameters.seq_len=64",
-    "training.micro_batch_size=2", "training.gradient_accumulation_steps=1", "training.progress_bar=false",
-    "tools.tensorboard.enable=false", "training.lr_warmup_ratio=0",
+    "training.log_interval=1",
+    "training.seed=3",
+    "data.dataset_param.basic_parameters.seq_len=64",
+    "training.micro_batch_size=2",
+    "training.gradient_accumulation_steps=1",
+    "training.progress_bar=false",
+    "tools.tensorboard.enable=false",
+    "training.lr_warmup_ratio=0",
 ]
 
 
@@ -23,8 +27,17 @@ COMMON = [
 def straight(tmp_path_factory):
     """4 steps on 2 ranks, saving at steps 2 and 4."""
     d = tmp_path_factory.mktemp("straight")
-    mm("train", str(QUICKSTART), *COMMON, "training.train_iters=4", "training.save_interval=2",
-       f"training.save={d / 'ckpt'}", f"training.output_dir={d}", "--nproc-per-node", "2")
+    mm(
+        "train",
+        str(QUICKSTART),
+        *COMMON,
+        "training.train_iters=4",
+        "training.save_interval=2",
+        f"training.save={d / 'ckpt'}",
+        f"training.output_dir={d}",
+        "--nproc-per-node",
+        "2",
+    )
     return d
 
 
@@ -39,9 +52,17 @@ def test_layout_and_latest_marker(straight):
 
 
 def test_resume_gives_identical_losses(straight, tmp_path):
-    mm("train", str(QUICKSTART), *COMMON, "training.train_iters=4", "training.save=null",
-       f"training.load={straight / 'ckpt' / 'step_2'}", f"training.output_dir={tmp_path}",
-       "--nproc-per-node", "2")
+    mm(
+        "train",
+        str(QUICKSTART),
+        *COMMON,
+        "training.train_iters=4",
+        "training.save=null",
+        f"training.load={straight / 'ckpt' / 'step_2'}",
+        f"training.output_dir={tmp_path}",
+        "--nproc-per-node",
+        "2",
+    )
     resumed = read_metrics(tmp_path)
     ref = {r["step"]: r for r in read_metrics(straight)}
     assert [r["step"] for r in resumed] == [3, 4]
@@ -98,13 +119,26 @@ def test_meta_init_loads_hf_weights_and_dcp_weights(exported, tmp_path):
     for name, extra in {
         "hf": [f"model.model_name_or_path={exported}", "model.from_scratch=false"],
         "dcp": [f"training.load={dcp_dir}"],
-        "plain": [f"model.model_name_or_path={exported}", "model.from_scratch=false",
-                  "training.init_model_with_meta_device=false"],
+        "plain": [
+            f"model.model_name_or_path={exported}",
+            "model.from_scratch=false",
+            "training.init_model_with_meta_device=false",
+        ],
     }.items():
         out = tmp_path / name
         meta = [] if name == "plain" else ["training.init_model_with_meta_device=true"]
-        mm("train", str(QUICKSTART), *COMMON, "training.train_iters=1", "training.save=null", *meta, *extra,
-           f"training.output_dir={out}", "--nproc-per-node", "2")
+        mm(
+            "train",
+            str(QUICKSTART),
+            *COMMON,
+            "training.train_iters=1",
+            "training.save=null",
+            *meta,
+            *extra,
+            f"training.output_dir={out}",
+            "--nproc-per-node",
+            "2",
+        )
         runs[name] = read_metrics(out)[0]
     assert runs["hf"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-6)
     assert runs["dcp"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-6)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _mm import QUICKSTART, REPO
 from torch import nn
 from transformers import AutoConfig
-
-from _mm import QUICKSTART, REPO
 
 from mm_core.config import load_config
 from mm_core.errors import ConfigError
@@ -17,8 +16,13 @@ from mm_core.models import BaseModel, ModelHub
 from mm_core.parallel_state import init_parallel_state
 from mm_core.parallelize import check_initialised, materialize_meta, shard_model
 
-SMALL = ["data.dataset_param.basic_parameters.seq_len=32", "training.micro_batch_size=2",
-         "training.progress_bar=false", "training.save=null", "tools.tensorboard.enable=false"]
+SMALL = [
+    "data.dataset_param.basic_parameters.seq_len=32",
+    "training.micro_batch_size=2",
+    "training.progress_bar=false",
+    "training.save=null",
+    "tools.tensorboard.enable=false",
+]
 
 
 @pytest.fixture
@@ -44,7 +48,9 @@ def test_meta_init_initialises_every_tensor(group):
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
     assert torch.all(model.model.norm.weight.full_tensor() == 1)
     std = model.model.layers[0].mlp.up_proj.weight.full_tensor().std().item()
-    assert std == pytest.approx(AutoConfig.from_pretrained(cfg.model.model_name_or_path).initializer_range, rel=0.1)
+    assert std == pytest.approx(
+        AutoConfig.from_pretrained(cfg.model.model_name_or_path).initializer_range, rel=0.1
+    )
 
 
 class ForgetfulModel(nn.Module, BaseModel):
@@ -78,9 +84,17 @@ def test_uninitialised_parameter_is_named(group):
 def test_freeze_keeps_frozen_weights(group, tmp_path):
     from mm_core.train import Trainer
 
-    cfg = load_config(QUICKSTART, [*SMALL, "training.train_iters=2", f"training.output_dir={tmp_path}",
-                                   "tools.tensorboard.enable=true", "training.log_interval=1",
-                                   "model.freeze=[model.embed_tokens, model.layers.{0-1}.self_attn]"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *SMALL,
+            "training.train_iters=2",
+            f"training.output_dir={tmp_path}",
+            "tools.tensorboard.enable=true",
+            "training.log_interval=1",
+            "model.freeze=[model.embed_tokens, model.layers.{0-1}.self_attn]",
+        ],
+    )
     trainer = Trainer(cfg).setup()
     frozen = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     trained = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -8,7 +8,6 @@ import sys
 import zipfile
 
 import pytest
-
 from _mm import REPO
 
 PACKAGES = {
@@ -23,17 +22,35 @@ PACKAGES = {
 def test_package_builds_alone(dist, tmp_path):
     import_name, mm_deps = PACKAGES[dist]
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(REPO / "packages" / dist)], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO / "packages" / dist),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = tmp_path.glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         tops = {name.split("/", 1)[0] for name in zf.namelist()}
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        requires = [line.split(":", 1)[1].strip() for line in zf.read(meta).decode().splitlines()
-                    if line.startswith("Requires-Dist:") and "extra ==" not in line]
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in zf.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line
+        ]
     assert tops - {import_name} == {n for n in tops if n.endswith(".dist-info")}
-    names = {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip() for r in requires}
+    names = {
+        r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip() for r in requires
+    }
     assert {n for n in names if n.startswith("mm-")} == mm_deps
     assert "torch_npu" not in names  # optional extra only

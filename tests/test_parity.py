@@ -4,24 +4,43 @@ model in fp32, 10 steps, the same global batch of 8 sequences. Losses and gradie
 from __future__ import annotations
 
 import pytest
-
 from _mm import QUICKSTART, assert_close_series, mm, read_metrics
 
 STEPS = 10
 COMMON = [
-    f"training.train_iters={STEPS}", "training.log_interval=1", "training.save=null", "training.seed=7",
-    "training.lr_warmup_ratio=0.2", "data.dataset_param.basic_parameters.seq_len=128",
-    "parallel.fsdp_plan.param_dtype=fp32", "parallel.fsdp_plan.reduce_dtype=fp32", "training.progress_bar=false",
+    f"training.train_iters={STEPS}",
+    "training.log_interval=1",
+    "training.save=null",
+    "training.seed=7",
+    "training.lr_warmup_ratio=0.2",
+    "data.dataset_param.basic_parameters.seq_len=128",
+    "parallel.fsdp_plan.param_dtype=fp32",
+    "parallel.fsdp_plan.reduce_dtype=fp32",
+    "training.progress_bar=false",
     "tools.tensorboard.enable=false",
 ]
 # (name, processes, overrides): global batch = micro x accumulation x data-parallel ranks = 8 everywhere
 LAYOUTS = [
     ("single", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]),
     ("fsdp2", 2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
-    ("ddp2", 2, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=1",
-                 "parallel.fully_shard_parallel_size=1"]),
-    ("hsdp2x2", 4, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=2",
-                    "parallel.fully_shard_parallel_size=2"]),
+    (
+        "ddp2",
+        2,
+        [
+            "training.micro_batch_size=4",
+            "training.gradient_accumulation_steps=1",
+            "parallel.fully_shard_parallel_size=1",
+        ],
+    ),
+    (
+        "hsdp2x2",
+        4,
+        [
+            "training.micro_batch_size=1",
+            "training.gradient_accumulation_steps=2",
+            "parallel.fully_shard_parallel_size=2",
+        ],
+    ),
 ]
 
 
@@ -30,7 +49,15 @@ def runs(tmp_path_factory):
     out = {}
     for name, nproc, extra in LAYOUTS:
         d = tmp_path_factory.mktemp(name)
-        mm("train", str(QUICKSTART), *COMMON, *extra, f"training.output_dir={d}", "--nproc-per-node", str(nproc))
+        mm(
+            "train",
+            str(QUICKSTART),
+            *COMMON,
+            *extra,
+            f"training.output_dir={d}",
+            "--nproc-per-node",
+            str(nproc),
+        )
         out[name] = read_metrics(d)
     return out
 
@@ -40,7 +67,9 @@ def test_layout_matches_single_process(runs, layout):
     ref, got = runs["single"], runs[layout]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert_close_series([r["loss"] for r in ref], [r["loss"] for r in got], 1e-5, f"{layout} loss")
-    assert_close_series([r["grad_norm"] for r in ref], [r["grad_norm"] for r in got], 1e-5, f"{layout} grad_norm")
+    assert_close_series(
+        [r["grad_norm"] for r in ref], [r["grad_norm"] for r in got], 1e-5, f"{layout} grad_norm"
+    )
     assert all(r["tokens"] == 8 * 128 for r in got)
 
 

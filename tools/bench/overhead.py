@@ -28,8 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 def _minimal_step(model, optimizer, micro_batches, clip):
     """What a user would write by hand: HF loss per micro-batch, backward, clip, step."""
     for batch in micro_batches:
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                    use_cache=False)
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            labels=batch["labels"],
+            use_cache=False,
+        )
         (out.loss / len(micro_batches)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
@@ -37,8 +41,13 @@ def _minimal_step(model, optimizer, micro_batches, clip):
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(REPO)
@@ -60,7 +69,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         fully_shard(layer, mesh=trainer.state.fsdp_mesh)
     fully_shard(model, mesh=trainer.state.fsdp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, foreach=True)
-    plain = [[move_to_device({k: v for k, v in b.items()}, trainer.state.device) for b in step] for step in micro]
+    plain = [
+        [move_to_device({k: v for k, v in b.items()}, trainer.state.device) for b in step] for step in micro
+    ]
 
     def timed(fn) -> float:
         dist.barrier()
@@ -86,7 +97,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(REPO / "examples/quickstart/config.yaml"))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from mm_data_text.tokenizer_build import train_bytelevel_bpe
 
 CORPUS = [

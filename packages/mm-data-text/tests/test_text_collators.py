@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from mm_core.errors import ConfigError, DataError
 from mm_data_text.collators import LLMPretrainCollator, SFTCollator
 from mm_data_text.packing import pack_documents

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from mm_data_text.packing import IGNORE_INDEX, pack_documents
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from mm_core.errors import ConfigError
 from mm_data_text._params import BASIC, optional_positive_int, positive_int, read_params, string
 

@@ -4,6 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from mm_core.errors import ConfigError, DataError
 from mm_data_text.packing import IGNORE_INDEX
 from mm_data_text.pretrain import TextPretrainDataset

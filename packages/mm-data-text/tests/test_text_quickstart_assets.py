@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from mm_data_text.collators import LLMPretrainCollator, SFTCollator
 from mm_data_text.packing import IGNORE_INDEX
 from mm_data_text.pretrain import TextPretrainDataset

@@ -2,6 +2,7 @@ import json
 import shutil
 
 import pytest
+
 from mm_core.errors import ConfigError, DataError
 from mm_data_text.packing import IGNORE_INDEX
 from mm_data_text.sft import SFTDataset

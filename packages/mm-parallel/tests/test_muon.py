@@ -7,6 +7,8 @@ import inspect
 import pytest
 import torch
 from _muon_dist_utils import full_grads, reference_muon, relative_error
+from torch import nn
+
 from mm_parallel.optim import (
     Muon,
     classify_muon_params,
@@ -15,7 +17,6 @@ from mm_parallel.optim import (
 )
 from mm_parallel.optim.exchange import assign_owners, plan_exchange
 from mm_parallel.optim.layout import MatrixLayout, chunk_sizes
-from torch import nn
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (13, 7), (1, 6)]
 

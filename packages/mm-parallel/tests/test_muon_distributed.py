@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _muon_dist_utils import full_grads, reference_muon, run_ranks
-from mm_parallel.optim import Muon
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from mm_parallel.optim import Muon
 
 LR = 0.02
 STEPS = 3

@@ -131,8 +131,13 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     p = add("train", "train from a YAML config", _cmd_train)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. training.lr=3e-4")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None,
-                   help="launch this many local worker processes (outside torchrun)")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="launch this many local worker processes (outside torchrun)",
+    )
 
     p = add("check", "validate a config and print the resolved plan without training", _cmd_check)
     p.add_argument("config")

@@ -22,9 +22,17 @@ from mm_core.models.hub import ModelHub
 from mm_core.registry import import_plugins
 
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-    "preprocessor_config.json", "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 
@@ -32,8 +40,11 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Load a Hugging Face safetensors folder into a (possibly sharded) model; each rank reads only the
     slices it owns. Tensors the folder lacks (e.g. a tied ``lm_head``) keep their current values."""
     state = get_model_state_dict(model)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load(
+        state,
+        storage_reader=HuggingFaceStorageReader(str(path)),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
     set_model_state_dict(model, state)
 
 
@@ -49,7 +60,7 @@ def hf_to_dcp(src: str | Path, dst: str | Path) -> Path:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 - safe_open is not a dict
                 state[key] = st.get_tensor(key)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -79,7 +90,9 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
         path = resolved
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
-        raise CheckpointError(f"mm convert dcp-to-hf: {path} has no {CONFIG_FILE}; was it written by mm train?")
+        raise CheckpointError(
+            f"mm convert dcp-to-hf: {path} has no {CONFIG_FILE}; was it written by mm train?"
+        )
     import yaml
 
     cfg = validate_config(yaml.safe_load(cfg_file.read_text(encoding="utf-8")), source=str(cfg_file))
@@ -89,7 +102,9 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
     with torch.no_grad():
         model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    dcp.load(
+        state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True
+    )
     model.load_state_dict(state["model"])
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tempfile
 import sys
+import tempfile
 import uuid
-
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -89,7 +89,8 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
         )
     if fs % cp and fs != 1:
         raise ConfigError(
-            f"parallel.fully_shard_parallel_size: got {fs}; must be a multiple of the context-parallel size {cp}"
+            f"parallel.fully_shard_parallel_size: got {fs}; must be a multiple of the context-parallel "
+            f"size {cp}"
         )
     dp_shard = 1 if fs == 1 else fs // cp
     return ParallelSizes(

@@ -18,8 +18,12 @@ from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.patterns import PatternError, match_modules, select_modules
 
 _DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
 }
 
 
@@ -88,12 +92,19 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
     units.sort(key=lambda m: -depth[id(m)])
     plan = cfg.parallel.fsdp_plan
     mp = mixed_precision_policy(
-        to_dtype(plan.param_dtype), to_dtype(plan.reduce_dtype), to_dtype(plan.output_dtype),
+        to_dtype(plan.param_dtype),
+        to_dtype(plan.reduce_dtype),
+        to_dtype(plan.output_dtype),
         plan.cast_forward_inputs,
     )
     return apply_fsdp(
-        model, state.fsdp_mesh, units, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward,
-        cpu_offload=plan.cpu_offload, ignored_params=ignored_params(model, cfg) or None,
+        model,
+        state.fsdp_mesh,
+        units,
+        mp_policy=mp,
+        reshard_after_forward=plan.reshard_after_forward,
+        cpu_offload=plan.cpu_offload,
+        ignored_params=ignored_params(model, cfg) or None,
     )
 
 
@@ -141,4 +152,6 @@ def check_initialised(model: nn.Module) -> None:
         raise ConfigError("model: tensors were left uninitialised after building on meta (on another rank)")
     if bad:
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise ConfigError(f"model: {len(bad)} tensors were left uninitialised after building on meta: {shown}")
+        raise ConfigError(
+            f"model: {len(bad)} tensors were left uninitialised after building on meta: {shown}"
+        )

@@ -48,7 +48,9 @@ class Registry:
 
         def deco(obj: Any) -> Any:
             if name in self._local and self._local[name] is not obj:
-                raise PluginError(f"{self.kind} {name!r} is already registered in this process by {self._local[name]!r}")
+                raise PluginError(
+                    f"{self.kind} {name!r} is already registered in this process by {self._local[name]!r}"
+                )
             self._local[name] = obj
             return obj
 
@@ -73,8 +75,10 @@ class Registry:
         return sorted(set(self._local) | set(self._entry_points()))
 
     def infos(self) -> list[PluginInfo]:
-        out = [PluginInfo(n, self.kind, "<in-process>", f"{o.__module__}:{getattr(o, '__qualname__', o)}")
-               for n, o in self._local.items()]
+        out = [
+            PluginInfo(n, self.kind, "<in-process>", f"{o.__module__}:{getattr(o, '__qualname__', o)}")
+            for n, o in self._local.items()
+        ]
         for name, eps in self._entry_points().items():
             out.extend(PluginInfo(name, self.kind, _dist_name(ep), ep.value) for ep in eps)
         return sorted(out, key=lambda i: (i.name, i.provider))
@@ -124,7 +128,7 @@ def import_plugins(modules: list[str]) -> None:
             raise ConfigError(
                 f"{key}: {mod!r} looks like a file path; mm imports plugins by dotted module name only. "
                 "Make the plugin a pip-installable package that registers through entry points "
-                "([project.entry-points.\"mm.models\"] etc.), or list its module here, e.g. my_pkg.models"
+                '([project.entry-points."mm.models"] etc.), or list its module here, e.g. my_pkg.models'
             )
         try:
             importlib.import_module(mod)

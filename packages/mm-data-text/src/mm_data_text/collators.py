@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
 from mm_core.errors import DataError
 
 from ._params import COLLATE, anything, boolean, optional_positive_int, read_params

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mm_core.errors import ConfigError, DataError
 
 from ._params import BASIC, PREPROCESS, optional_string, paths, positive_int, read_params, string

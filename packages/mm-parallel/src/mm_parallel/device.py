@@ -32,7 +32,9 @@ def backend_for(device_type: str) -> str:
     try:
         return _BACKENDS[device_type]
     except KeyError:
-        raise ValueError(f"unsupported device type {device_type!r}; expected one of {sorted(_BACKENDS)}") from None
+        raise ValueError(
+            f"unsupported device type {device_type!r}; expected one of {sorted(_BACKENDS)}"
+        ) from None
 
 
 def device_module(device_type: str):

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 
 def mixed_precision_policy(
@@ -51,7 +57,9 @@ def apply_fsdp(
     which is now an :class:`FSDPModule`.
     """
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"apply_fsdp expects a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+        raise ValueError(
+            f"apply_fsdp expects a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
+        )
     kwargs = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,

@@ -48,7 +48,9 @@ def total_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> t
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter], max_norm: float | None, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
     ``max_norm`` of ``None`` or ``0`` only measures the norm.

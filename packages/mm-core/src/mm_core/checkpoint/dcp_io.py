@@ -110,8 +110,14 @@ def _states(ts: TrainingState, *, optim: bool, rng: bool) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, ts: TrainingState, *, save_optim: bool = True, save_rng: bool = True,
-    config_text: str | None = None, keep: int | None = None,
+    root: str | Path,
+    step: int,
+    ts: TrainingState,
+    *,
+    save_optim: bool = True,
+    save_rng: bool = True,
+    config_text: str | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Write ``<root>/step_<step>`` atomically (see :mod:`mm_core.checkpoint.layout`); all ranks call this."""
     root = Path(root)
@@ -149,7 +155,7 @@ def tied_aliases(model: nn.Module) -> list[list[str]]:
 def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list[str], set[str]]:
     """Missing model keys (a tied group counts as present when any alias is stored), and the aliases to
     skip when loading."""
-    stored = {k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")}
+    stored = {k[len("model.") :] for k in checkpoint_keys(path) if k.startswith("model.")}
     expected = set(get_model_state_dict(ts.model))
     skip: set[str] = set()
     for names in tied_aliases(ts.model):
@@ -157,6 +163,7 @@ def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list
             skip.update(n for n in names if n not in stored)
     missing, unexpected = sorted(expected - stored - skip), sorted(stored - expected)
     if strict and (missing or unexpected):
+
         def show(keys: list[str]) -> str:
             return ", ".join(keys[:10]) + (f" ... ({len(keys)} in all)" if len(keys) > 10 else "") or "none"
 
@@ -169,7 +176,12 @@ def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list
 
 
 def load_checkpoint(
-    path: str | Path, ts: TrainingState, *, load_optim: bool = True, load_rng: bool = True, strict: bool = True,
+    path: str | Path,
+    ts: TrainingState,
+    *,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load whatever ``path`` holds into ``ts``: the model always; optimizer, scheduler, progress and
     per-rank states when present (a weights-only checkpoint from ``mm convert hf-to-dcp`` starts at step 0).

@@ -63,7 +63,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def finalize(root: Path, step: int) -> Path:
-    """Rename the finished ``.partial`` folder to ``step_<N>`` (replacing an older one) and update ``latest``."""
+    """Rename the finished ``.partial`` folder to ``step_<N>`` (replacing an older one), update ``latest``."""
     src, dst = partial_dir(root, step), step_dir(root, step)
     if dst.exists():
         trash = root / f".step_{step}.old"

@@ -33,12 +33,21 @@ class RNGState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         gauss_flag, gauss = state["python_gauss"].tolist()
         random.setstate(
-            (int(state["python_version"]), tuple(int(x) for x in state["python_state"].tolist()),
-             gauss if gauss_flag else None)
+            (
+                int(state["python_version"]),
+                tuple(int(x) for x in state["python_state"].tolist()),
+                gauss if gauss_flag else None,
+            )
         )
         pos, has_gauss, cached = state["numpy_rest"].tolist()
         np.random.set_state(
-            ("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached))
+            (
+                "MT19937",
+                state["numpy_keys"].numpy().astype(np.uint32),
+                int(pos),
+                int(has_gauss),
+                float(cached),
+            )
         )
         torch.set_rng_state(state["torch_cpu"].cpu())
         if "torch_device" in state and self.device.type in ("cuda", "npu"):

@@ -103,9 +103,13 @@ def _schema_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 def _value_at(raw: Any, loc: tuple[Any, ...]) -> Any:
     for part in loc:
-        if isinstance(raw, dict) and part in raw:
-            raw = raw[part]
-        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+        if (
+            isinstance(raw, dict)
+            and part in raw
+            or isinstance(raw, list)
+            and isinstance(part, int)
+            and part < len(raw)
+        ):
             raw = raw[part]
         else:
             return None
@@ -148,9 +152,13 @@ def _clean_loc(loc: tuple[Any, ...], raw: Any) -> tuple[Any, ...]:
     out: list[Any] = []
     node = raw
     for part in loc:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+        if (
+            isinstance(node, dict)
+            and part in node
+            or isinstance(node, list)
+            and isinstance(part, int)
+            and part < len(node)
+        ):
             node = node[part]
         elif isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
             continue

@@ -29,9 +29,9 @@ class Block(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML ``true``/``false`` is not a number (pydantic would read it as 1/0)."""
-        if isinstance(value, bool) and info.field_name in cls.model_fields:
-            if not _accepts_bool(cls.model_fields[info.field_name].annotation):
-                raise ValueError("expected a number or text, not a boolean")
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and not _accepts_bool(field.annotation):
+            raise ValueError("expected a number or text, not a boolean")
         return value
 
 

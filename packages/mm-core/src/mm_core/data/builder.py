@@ -31,7 +31,9 @@ def build_dataset(cfg: DataConfig, seed: int) -> Dataset:
             "which is not a map-style dataset (it needs __len__ and __getitem__)"
         )
     if len(dataset) == 0:
-        raise ConfigError(f"data.dataset_param: dataset {dp.dataset_type!r} is empty; check basic_parameters.dataset")
+        raise ConfigError(
+            f"data.dataset_param: dataset {dp.dataset_type!r} is empty; check basic_parameters.dataset"
+        )
     return dataset
 
 

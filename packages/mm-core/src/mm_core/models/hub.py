@@ -1,4 +1,4 @@
-"""Build a model from the ``model`` block: Hugging Face ``PreTrainedModel`` classes and custom ``BaseModel``s."""
+"""Build a model from the ``model`` block: Hugging Face ``PreTrainedModel``s and custom ``BaseModel``s."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def _merge_overrides(
         if not hasattr(config, key):
             raise ConfigError(f"{prefix}.{key}: {type(config).__name__} has no attribute {key!r}")
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
-            data[key] = _merge_overrides(current, dict(data.get(key) or current.to_dict()), value, f"{prefix}.{key}")
+            data[key] = _merge_overrides(
+                current, dict(data.get(key) or current.to_dict()), value, f"{prefix}.{key}"
+            )
             continue
         data[key] = value
         for derived in _DERIVED.get(key, ()):
@@ -57,12 +59,14 @@ def _update_config(config: PretrainedConfig, overrides: dict[str, Any], prefix: 
 
 
 def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> PretrainedConfig:
-    """The Hugging Face config: from ``model_name_or_path`` (local folder) or the class default, plus overrides."""
+    """The Hugging Face config from ``model_name_or_path`` (a local folder) or the class default, plus
+    ``model.config_overrides``."""
     if args.model_name_or_path:
         path = Path(args.model_name_or_path)
         if not (path / "config.json").is_file():
             raise ConfigError(
-                f"model.model_name_or_path: {str(path)!r} is not a local Hugging Face folder with a config.json "
+                f"model.model_name_or_path: {str(path)!r} is not a local Hugging Face folder with a "
+                "config.json "
                 "(mm never downloads; point it at a folder on disk)"
             )
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -83,7 +87,8 @@ class ModelHub:
     @staticmethod
     def build(args: ModelConfig, *, meta: bool = False) -> nn.Module:
         """Build the model. With ``meta`` the structure is created on the meta device (no memory, no init);
-        otherwise weights are loaded from ``model_name_or_path`` or, with ``model.from_scratch``, initialised."""
+        otherwise weights are loaded from ``model_name_or_path`` or, with ``model.from_scratch``,
+        initialised."""
         cls = ModelHub.model_class(args)
         device_ctx = torch.device("meta") if meta else contextlib.nullcontext()
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
@@ -97,11 +102,14 @@ class ModelHub:
                 )
             if meta or args.from_scratch:
                 with device_ctx:
-                    model = cls._from_config(config, attn_implementation=args.attn_implementation,
-                                             dtype=torch.float32)
+                    model = cls._from_config(
+                        config, attn_implementation=args.attn_implementation, dtype=torch.float32
+                    )
             else:
                 model = cls.from_pretrained(
-                    args.model_name_or_path, config=config, attn_implementation=args.attn_implementation,
+                    args.model_name_or_path,
+                    config=config,
+                    attn_implementation=args.attn_implementation,
                     dtype=torch.float32,
                 )
             return model

@@ -33,7 +33,9 @@ def build_adamw(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None
     )
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: TrainingConfig, plans: dict | None = None
+) -> torch.optim.Optimizer:
     """Look up ``training.optimizer`` in the registry and build it."""
     factory = optimizer_register.get(cfg.optimizer)
     return factory(model, cfg, plans or {})

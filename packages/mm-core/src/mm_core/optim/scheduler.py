@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warmup (``lr_warmup_ratio``), then constant, linear or cosine to ``lr_min``."""
+"""Learning-rate schedule: linear warmup (``lr_warmup_ratio``), then constant, linear or cosine decay
+to ``lr_min``."""
 
 from __future__ import annotations
 

@@ -22,7 +22,9 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position cross entropy in fp32, zero where ``targets`` is ignored; shape of ``targets``."""
     flat = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
         reduction="none",
     )
     return flat.view(targets.shape)

@@ -22,8 +22,14 @@ class MetricsLogger:
     """Writes one JSON object per logged step; mirrors scalars to TensorBoard and a tqdm bar."""
 
     def __init__(
-        self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-        tensorboard_dir: Path | None = None, progress_bar: bool = True,
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard_dir: Path | None = None,
+        progress_bar: bool = True,
     ) -> None:
         self.enabled = enabled
         self._file = None
@@ -40,7 +46,9 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -54,7 +62,9 @@ class MetricsLogger:
                     self._tb.add_scalar(f"train/{key}", value, record["step"])
         if self._bar is not None:
             self._bar.set_postfix(
-                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
                 refresh=False,
             )
 
