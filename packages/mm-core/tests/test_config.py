@@ -302,9 +302,27 @@ def test_single_process() -> None:
         (4, {"fully_shard_parallel_size": 8}, "parallel.fully_shard_parallel_size", "8"),
         (6, {"fully_shard_parallel_size": 4}, "parallel.fully_shard_parallel_size", "4"),
         (4, {"data_parallel_size": 2}, "parallel.data_parallel_size", "2"),
-        (4, {"ulysses_parallel_size": 2}, "parallel.ulysses_parallel_size", "2"),
-        (4, {"ring_attention_size": 2}, "parallel.ring_attention_size", "2"),
-        (4, {"expert_parallel_size": 2}, "parallel.expert_parallel_size", "2"),
+        (4, {"ulysses_parallel_size": 3}, "parallel.ulysses_parallel_size", "3"),
+        (4, {"ring_attention_size": 3}, "parallel.ring_attention_size", "3"),
+        (4, {"expert_parallel_size": 3}, "parallel.expert_parallel_size", "3"),
+        (
+            4,
+            {"fully_shard_parallel_size": 2, "expert_parallel_size": 4},
+            "parallel.expert_parallel_size",
+            "4",
+        ),
+        (
+            4,
+            {"expert_parallel_size": 2, "expert_fully_shard_parallel_size": 4},
+            "parallel.expert_fully_shard_parallel_size",
+            "4",
+        ),
+        (
+            4,
+            {"ulysses_parallel_size": 2, "fully_shard_parallel_size": 1},
+            "parallel.fully_shard_parallel_size",
+            "1",
+        ),
     ],
 )
 def test_impossible_parallel_sizes_name_the_key_and_value(
@@ -314,6 +332,13 @@ def test_impossible_parallel_sizes_name_the_key_and_value(
         sizes(world, **parallel)
     msg = str(info.value)
     assert f"{key}: got {value};" in msg
+
+
+def test_context_and_expert_sizes() -> None:
+    s = sizes(8, ulysses_parallel_size=2, ring_attention_size=2, expert_parallel_size=4)
+    assert (s.dp_replicate, s.dp_shard, s.cp, s.fsdp, s.ep, s.efsdp, s.dp) == (1, 2, 4, 8, 4, 2, 2)
+    s = sizes(8, ulysses_parallel_size=2, fully_shard_parallel_size=4, expert_parallel_size=2)
+    assert (s.dp_replicate, s.dp_shard, s.cp, s.fsdp, s.efsdp, s.dp) == (2, 2, 2, 4, 2, 4)
 
 
 def test_fully_shard_not_dividing_the_world_lists_the_divisors() -> None:

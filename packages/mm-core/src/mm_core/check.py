@@ -34,7 +34,9 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-def estimate_memory(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, unit_names: list[str]) -> MemoryEstimate:
+def estimate_memory(
+    model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, unit_names: list[str]
+) -> MemoryEstimate:
     """Model-state memory per rank: fp32 master weights, grads and AdamW moments sharded over the FSDP
     group, plus two gathered units (current + prefetched) in ``param_dtype``. Activations are not included."""
     total, trainable = _numel(model), _numel(model, trainable_only=True)
@@ -72,24 +74,31 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     mem = estimate_memory(model, cfg, sizes, units)
 
     tcfg = cfg.training
-    out(f"layout      : {sizes.layout} (world {sizes.world_size}: dp_replicate={sizes.dp_replicate}, "
-        f"dp_shard={sizes.dp_shard}, cp={sizes.cp})")
+    out(
+        f"layout      : {sizes.layout} (world {sizes.world_size}: dp_replicate={sizes.dp_replicate}, "
+        f"dp_shard={sizes.dp_shard}, cp={sizes.cp})"
+    )
     out(f"model       : {cfg.model.model_id} -> {type(model).__name__}")
     total, trainable = _numel(model), _numel(model, trainable_only=True)
     out(f"parameters  : {total:,} total, {trainable:,} trainable, {total - trainable:,} frozen")
     if frozen:
-        out(f"frozen      : {len(frozen)} modules ({', '.join(frozen[:4])}{' ...' if len(frozen) > 4 else ''})")
+        more = " ..." if len(frozen) > 4 else ""
+        out(f"frozen      : {len(frozen)} modules ({', '.join(frozen[:4])}{more})")
     out(f"fsdp units  : from {source}")
     for pat, hits in matched.items():
         shown = ", ".join(hits[:3]) + (f", ... ({len(hits)} modules)" if len(hits) > 3 else "")
         out(f"  {pat:<32} -> {shown}")
     out("  (root)                           -> the remaining parameters")
     gbs = tcfg.micro_batch_size * tcfg.grad_accum * sizes.dp
-    out(f"batch       : micro {tcfg.micro_batch_size} x accumulation {tcfg.grad_accum} x dp {sizes.dp} "
-        f"= {gbs} samples per step")
-    out(f"memory/rank : {mem.total / GiB:.3f} GiB model states (params {mem.params / GiB:.3f}, grads "
-        f"{mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}, gathered units {mem.gathered / GiB:.3f}); "
-        "activations not included")
+    out(
+        f"batch       : micro {tcfg.micro_batch_size} x accumulation {tcfg.grad_accum} x dp {sizes.dp} "
+        f"= {gbs} samples per step"
+    )
+    out(
+        f"memory/rank : {mem.total / GiB:.3f} GiB model states (params {mem.params / GiB:.3f}, grads "
+        f"{mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}, gathered units "
+        f"{mem.gathered / GiB:.3f}); activations not included"
+    )
     if tcfg.optimizer == "muon":
         from mm_core.models.hub import model_plans
         from mm_core.optim.muon import muon_plan, split_summary

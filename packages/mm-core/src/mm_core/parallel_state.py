@@ -35,6 +35,11 @@ class ParallelSizes:
         return self.ulysses * self.ring
 
     @property
+    def efsdp(self) -> int:
+        """Ranks one expert weight is sharded over: the expert mesh is ``efsdp x ep`` = ``dp_shard x cp``."""
+        return self.fsdp // self.ep
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: how many ranks read different data."""
         return self.dp_replicate * self.dp_shard
@@ -63,16 +68,13 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
     """Check the ``parallel`` block against a world size; raise :class:`ConfigError` naming the key."""
     if world_size < 1:
         raise ConfigError(f"world size must be positive, got {world_size}")
-    for key in ("ulysses_parallel_size", "ring_attention_size", "expert_parallel_size"):
-        value = getattr(cfg, key)
-        if value != 1:
-            raise ConfigError(
-                f"parallel.{key}: got {value}; this version of mm does not provide this kind of parallelism "
-                "yet, only 1 is accepted"
-            )
     cp = cfg.ulysses_parallel_size * cfg.ring_attention_size
     if world_size % cp:
-        raise ConfigError(f"parallel: ulysses x ring = {cp} must divide the world size {world_size}")
+        key = "ulysses_parallel_size" if cfg.ring_attention_size == 1 else "ring_attention_size"
+        raise ConfigError(
+            f"parallel.{key}: got {getattr(cfg, key)}; the context-parallel size ulysses x ring = {cp} must "
+            f"divide the world size {world_size}"
+        )
     dp = world_size // cp
     if cfg.data_parallel_size != "auto" and cfg.data_parallel_size != dp:
         raise ConfigError(
@@ -93,6 +95,23 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
             f"size {cp}"
         )
     dp_shard = 1 if fs == 1 else fs // cp
+    if fs == 1 and cp > 1:
+        raise ConfigError(
+            f"parallel.fully_shard_parallel_size: got 1; with context parallel size {cp} the ranks of one "
+            f"sequence must shard the parameters together (use a multiple of {cp})"
+        )
+    ep = cfg.expert_parallel_size
+    if (dp_shard * cp) % ep:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: got {ep}; must divide the FSDP shard group size {dp_shard * cp} "
+            f"(experts are split over ranks carved from dp_shard x cp; accepted: {_divisors(dp_shard * cp)})"
+        )
+    efsdp = cfg.expert_fully_shard_parallel_size
+    if efsdp != "auto" and efsdp != dp_shard * cp // ep:
+        raise ConfigError(
+            f"parallel.expert_fully_shard_parallel_size: got {efsdp}; with shard group {dp_shard * cp} and "
+            f"expert parallel {ep} it must be {dp_shard * cp // ep} (or auto)"
+        )
     return ParallelSizes(
         world_size=world_size,
         dp_replicate=dp // dp_shard,
@@ -105,13 +124,21 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
 
 @dataclass
 class ParallelState:
-    """This process's place in the job: sizes, device and meshes (passed explicitly, never global)."""
+    """This process's place in the job: sizes, device and meshes (passed explicitly, never global).
+
+    ``world_mesh`` has the dimensions ``(dp_replicate, dp_shard, ring, ulysses)``; Ulysses is innermost so its
+    all-to-all stays among neighbouring ranks. ``shard_mesh`` is ``(dp_replicate, dp_shard_cp)`` over the same
+    ranks (what FSDP uses), and ``expert_mesh`` is ``(dp_replicate, efsdp, ep)``, carved from
+    ``dp_shard x cp``. Each is built directly rather than by flattening, so no private mesh API is needed.
+    """
 
     sizes: ParallelSizes
     rank: int
     local_rank: int
     device: torch.device
     world_mesh: DeviceMesh
+    shard_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None = None
 
     @property
     def device_type(self) -> str:
@@ -123,21 +150,44 @@ class ParallelState:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """1-D ``(dp_shard,)`` for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP and DDP."""
+        """1-D ``(dp_shard_cp,)`` for FSDP, 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP and DDP."""
         if self.sizes.dp_replicate > 1:
-            return self.world_mesh["dp_replicate", "dp_shard"]
-        return self.world_mesh["dp_shard"]
+            return self.shard_mesh
+        return self.shard_mesh["dp_shard_cp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """``(ring, ulysses)``: the ranks that hold shards of one sequence."""
+        return self.world_mesh["ring", "ulysses"]
 
     @property
     def dp_rank(self) -> int:
         """Index of this rank among the ranks that read different data."""
-        coord = self.world_mesh.get_coordinate()
-        return coord[0] * self.sizes.dp_shard + coord[1]
+        replicate, shard = self.world_mesh.get_coordinate()[:2]
+        return replicate * self.sizes.dp_shard + shard
 
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """All ranks that read different data (for counting tokens)."""
-        return dist.group.WORLD
+
+def build_meshes(device_type: str, sizes: ParallelSizes) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+    """The world mesh, the FSDP shard mesh and (with expert parallelism) the expert mesh, in the same rank
+    order: within a replica, ranks are numbered ``dp_shard``-major, then ring, then Ulysses."""
+    world = init_device_mesh(
+        device_type,
+        (sizes.dp_replicate, sizes.dp_shard, sizes.ring, sizes.ulysses),
+        mesh_dim_names=("dp_replicate", "dp_shard", "ring", "ulysses"),
+    )
+    shard = init_device_mesh(
+        device_type,
+        (sizes.dp_replicate, sizes.dp_shard * sizes.cp),
+        mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+    )
+    expert = None
+    if sizes.ep > 1:
+        expert = init_device_mesh(
+            device_type,
+            (sizes.dp_replicate, sizes.efsdp, sizes.ep),
+            mesh_dim_names=("dp_replicate", "efsdp", "ep"),
+        )
+    return world, shard, expert
 
 
 def init_distributed(device_type: str | None = None, timeout_s: int = 1800) -> tuple[int, int, int, str]:
@@ -154,11 +204,17 @@ def init_distributed(device_type: str | None = None, timeout_s: int = 1800) -> t
 
 
 def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> ParallelState:
-    """Resolve sizes against the live process group and build the device mesh."""
+    """Resolve sizes against the live process group and build the device meshes."""
     rank, local_rank, world, device_type = init_distributed(device_type)
     sizes = resolve_sizes(cfg, world)
     device = set_local_device(device_type, local_rank)
-    mesh = init_device_mesh(
-        device_type, (sizes.dp_replicate, sizes.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    world, shard, expert = build_meshes(device_type, sizes)
+    return ParallelState(
+        sizes=sizes,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        world_mesh=world,
+        shard_mesh=shard,
+        expert_mesh=expert,
     )
-    return ParallelState(sizes=sizes, rank=rank, local_rank=local_rank, device=device, world_mesh=mesh)

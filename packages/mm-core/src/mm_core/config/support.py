@@ -13,6 +13,9 @@ def check_supported(cfg: MMConfig) -> None:
     """Raise :class:`ConfigError` for the first setting mm would otherwise have to ignore."""
     plan = cfg.parallel.fsdp_plan
     checks = [
+        ("parallel.ulysses_parallel_size", cfg.parallel.ulysses_parallel_size, 1),
+        ("parallel.ring_attention_size", cfg.parallel.ring_attention_size, 1),
+        ("parallel.expert_parallel_size", cfg.parallel.expert_parallel_size, 1),
         ("parallel.fsdp_plan.hook_modules", plan.hook_modules, []),
         ("parallel.fsdp_plan.num_to_forward_prefetch", plan.num_to_forward_prefetch, 0),
         ("parallel.fsdp_plan.num_to_backward_prefetch", plan.num_to_backward_prefetch, 0),

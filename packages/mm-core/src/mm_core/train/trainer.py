@@ -25,8 +25,8 @@ from mm_core.checkpoint import (
 )
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
-from mm_core.errors import DataError
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
+from mm_core.errors import DataError
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.muon import clip_grad_norm_adamw_only_
@@ -80,8 +80,13 @@ class Trainer:
         dataset = build_dataset(cfg.data, tcfg.seed)
         collate = build_collator(cfg.data, dataset)
         self.loader = build_dataloader(
-            dataset, collate, cfg.data, micro_batch_size=tcfg.micro_batch_size,
-            dp_size=self.state.sizes.dp, dp_rank=self.state.dp_rank, seed=tcfg.seed,
+            dataset,
+            collate,
+            cfg.data,
+            micro_batch_size=tcfg.micro_batch_size,
+            dp_size=self.state.sizes.dp,
+            dp_rank=self.state.dp_rank,
+            seed=tcfg.seed,
         )
         self.batches = EpochIterator(self.loader)
 
@@ -89,7 +94,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, tcfg)
         self.progress = TrainProgress(world_size=self.state.sizes.world_size)
         self.train_state = TrainingState(
-            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self.progress,
             per_rank={"data": self.batches, "rng": RNGState(self.state.device)},
         )
         self._resume()
@@ -105,8 +113,11 @@ class Trainer:
         model = shard_model(model, cfg, self.state)
         if meta:
             weights_from_load = tcfg.load is not None
-            hf_weights = (not cfg.model.from_scratch and cfg.model.model_name_or_path
-                          and has_weights(cfg.model.model_name_or_path))
+            hf_weights = (
+                not cfg.model.from_scratch
+                and cfg.model.model_name_or_path
+                and has_weights(cfg.model.model_name_or_path)
+            )
             materialize_meta(model, self.state.device, init=not (weights_from_load or hf_weights))
             if hf_weights and not weights_from_load:
                 from mm_core.convert import load_hf_weights
@@ -125,7 +136,10 @@ class Trainer:
             self._info(f"training.load: auto found no checkpoint under {tcfg.save}; starting fresh")
             return
         report = load_checkpoint(
-            path, self.train_state, load_optim=not tcfg.no_load_optim, load_rng=not tcfg.no_load_rng,
+            path,
+            self.train_state,
+            load_optim=not tcfg.no_load_optim,
+            load_rng=not tcfg.no_load_rng,
             strict=tcfg.load_strict,
         )
         if tcfg.init_model_with_meta_device:
@@ -147,48 +161,41 @@ class Trainer:
             out.append(batch)
         return out
 
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
-        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics."""
+    def _prepare(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None, float, int]:
+        """Move one micro-batch to the device and take out the loss targets (labels shifted by one).
+
+        Returns the model inputs, the targets (None for ``loss_type: raw``), this rank's number of loss units
+        and of input tokens. Anything that reshapes the batch for a parallel layout belongs here, after the
+        shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
-        raw = loss_type == "raw"
-        device = self.state.device
-        prepared, local_units, local_tokens = [], torch.zeros((), dtype=torch.float64), 0
-        for batch in micro_batches:
-            batch = move_to_device(batch, device, self.float_dtype)
-            mask = batch.get("attention_mask")
-            local_tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-            targets = None
-            if not raw:
-                if "labels" not in batch:
-                    raise DataError(
-                        f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
-                        f"{loss_type!r} computes the loss from the model's logits and the labels; use a collator "
-                        "that produces labels, or loss_type: raw to use the model's own .loss"
-                    )
-                targets = shift_labels(batch.pop("labels"))
-                local_units += count_units(targets, loss_type).double().cpu()
-            prepared.append((batch, targets))
-        # one collective for the normalisers: global label units and tokens of this step
-        counts = torch.tensor([float(local_units), float(local_tokens)], dtype=torch.float64)
-        dist.all_reduce(counts)
-        global_units, global_tokens = counts.tolist()
-        grad_scale = float(self.state.sizes.fsdp * self.state.sizes.dp_replicate)
+        batch = move_to_device(batch, self.state.device, self.float_dtype)
+        mask = batch.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        if loss_type == "raw":
+            return batch, None, 0.0, tokens
+        if "labels" not in batch:
+            raise DataError(
+                f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
+                f"{loss_type!r} computes the loss from the model's logits and the labels; use a collator "
+                "that produces labels, or loss_type: raw to use the model's own .loss"
+            )
+        targets = shift_labels(batch.pop("labels"))
+        return batch, targets, float(count_units(targets, loss_type)), tokens
 
-        loss_acc = torch.zeros((), dtype=torch.float64)
-        for batch, targets in prepared:
-            out = self.model(**batch, use_cache=False)
-            if raw:
-                loss = out.loss / len(prepared)
-                contrib = loss.detach()
-            else:
-                s = loss_sum(out.logits, targets, loss_type)
-                loss = s * (grad_scale / max(global_units, 1.0))
-                contrib = s.detach()
-            loss.backward()
-            loss_acc += contrib.double().cpu()
-        dist.all_reduce(loss_acc)
-        step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
+    def _forward_loss(
+        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
+        reported loss (a sum over loss units, or the raw loss)."""
+        out = self.model(**batch, use_cache=False)
+        if targets is None:
+            loss = out.loss * scale
+            return loss, loss.detach()
+        s = loss_sum(out.logits, targets, self.cfg.model.loss_cfg.loss_type)
+        return s * scale, s.detach()
 
+    def _clip_and_step(self) -> tuple[float, float]:
+        """Clip gradients by the global norm, step optimizer and schedule; returns (grad norm, lr used)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         tcfg = self.cfg.training
         if tcfg.optimizer == "muon" and not tcfg.muon.clip_muon_params:
@@ -199,7 +206,30 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": step_loss, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(global_tokens)}
+        return float(grad_norm), lr
+
+    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics."""
+        raw = self.cfg.model.loss_cfg.loss_type == "raw"
+        prepared = [self._prepare(b) for b in micro_batches]
+        # one collective for the normalisers: global loss units and input tokens of this step
+        counts = torch.tensor([sum(p[2] for p in prepared), sum(p[3] for p in prepared)], dtype=torch.float64)
+        dist.all_reduce(counts)
+        global_units, global_tokens = counts.tolist()
+        # FSDP averages gradients over every rank it reduces across; undo that so the gradient is the one of
+        # (sum of losses / global units), the same for every layout
+        ranks_averaged = float(self.state.sizes.world_size)
+        scale = 1.0 / len(prepared) if raw else ranks_averaged / max(global_units, 1.0)
+
+        loss_acc = torch.zeros((), dtype=torch.float64)
+        for batch, targets, _, _ in prepared:
+            loss, contrib = self._forward_loss(batch, targets, scale)
+            loss.backward()
+            loss_acc += contrib.double().cpu()
+        dist.all_reduce(loss_acc)
+        step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
+        grad_norm, lr = self._clip_and_step()
+        return {"loss": step_loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(global_tokens)}
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
@@ -211,7 +241,10 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(self.config_text(), encoding="utf-8")
         tb = cfg.tools.tensorboard
         logger = MetricsLogger(
-            self.out_dir, enabled=main, total_steps=tcfg.train_iters, start_step=self.progress.step,
+            self.out_dir,
+            enabled=main,
+            total_steps=tcfg.train_iters,
+            start_step=self.progress.step,
             tensorboard_dir=(Path(tb.log_dir) if tb.log_dir else self.out_dir / "tb") if tb.enable else None,
             progress_bar=tcfg.progress_bar,
         )
@@ -226,14 +259,21 @@ class Trainer:
                     sync()
                 dt = time.perf_counter() - t0
                 self.progress.step += 1
-                self.progress.consumed_samples += tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
+                self.progress.consumed_samples += (
+                    tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
+                )
                 self.progress.consumed_tokens += metrics["tokens"]
                 step = self.progress.step
                 if step % tcfg.log_interval == 0 or step == tcfg.train_iters:
                     peak = torch.tensor([peak_memory_gb(self.state.device)])
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                    record = {"step": step, **metrics, "tokens_per_s": metrics["tokens"] / dt,
-                              "step_time_s": dt, "peak_mem_gb": peak.item()}
+                    record = {
+                        "step": step,
+                        **metrics,
+                        "tokens_per_s": metrics["tokens"] / dt,
+                        "step_time_s": dt,
+                        "peak_mem_gb": peak.item(),
+                    }
                     records.append(record)
                     logger.log(record)
                 logger.advance()
@@ -249,8 +289,13 @@ class Trainer:
     def save(self) -> Path:
         tcfg = self.cfg.training
         path = save_checkpoint(
-            tcfg.save, self.progress.step, self.train_state, save_optim=not tcfg.no_save_optim,
-            save_rng=not tcfg.no_save_rng, config_text=self.config_text(), keep=tcfg.save_total_limit,
+            tcfg.save,
+            self.progress.step,
+            self.train_state,
+            save_optim=not tcfg.no_save_optim,
+            save_rng=not tcfg.no_save_rng,
+            config_text=self.config_text(),
+            keep=tcfg.save_total_limit,
         )
         self._info(f"saved checkpoint {path}")
         return path
