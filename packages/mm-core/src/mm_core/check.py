@@ -2,56 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
+from mm_core.memory import describe_features, plan_memory_features
+from mm_core.memory_estimate import estimate_breakdown
 from mm_core.models.hub import ModelHub
 from mm_core.parallel_state import ParallelSizes, resolve_sizes
-from mm_core.parallelize import apply_freeze, fsdp_patterns, resolve_patterns, to_dtype
+from mm_core.parallelize import apply_freeze, fsdp_patterns, resolve_patterns
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
+from mm_parallel.device import detect_device_type
 
 GiB = 2**30
-
-
-@dataclass
-class MemoryEstimate:
-    """Bytes per rank: model states (sharded) and the largest gathered FSDP unit."""
-
-    params: float
-    grads: float
-    optimizer: float
-    gathered: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.gathered
 
 
 def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-def estimate_memory(
-    model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, unit_names: list[str]
-) -> MemoryEstimate:
-    """Model-state memory per rank: fp32 master weights, grads and AdamW moments sharded over the FSDP
-    group, plus two gathered units (current + prefetched) in ``param_dtype``. Activations are not included."""
-    total, trainable = _numel(model), _numel(model, trainable_only=True)
-    shard = sizes.fsdp
-    param_bytes = to_dtype(cfg.parallel.fsdp_plan.param_dtype).itemsize
-    modules = dict(model.named_modules())
-    # the root unit holds what no other unit holds
-    inner = sum(_numel(modules[n]) for n in unit_names if n)
-    biggest = max([_numel(modules[n]) for n in unit_names if n] + [total - inner])
-    return MemoryEstimate(
-        params=4 * total / shard,
-        grads=4 * trainable / shard,
-        optimizer=8 * trainable / shard,
-        gathered=0 if shard == 1 else 2 * biggest * param_bytes,
+def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, out) -> None:
+    """Which modules are expert-parallel, and which experts each rank computes."""
+    from mm_core.expert_parallel import expert_layout, expert_modules
+
+    names, source = expert_modules(model, cfg, sizes)
+    if not names:
+        return
+    out(
+        f"expert par. : ep={sizes.ep} x efsdp={sizes.efsdp}"
+        + (f" x dp_replicate={sizes.dp_replicate}" if sizes.dp_replicate > 1 else "")
+        + f", from {source}; each expert module is its own FSDP unit over efsdp"
     )
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} modules)" if len(names) > 3 else "")
+    out(f"  expert-parallel modules          -> {shown}")
+    for line in expert_layout(model, names, sizes):
+        out(line)
 
 
 def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
@@ -71,7 +56,10 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     if cfg.parallel.fsdp_plan.ignored_modules:
         resolve_patterns(model, cfg.parallel.fsdp_plan.ignored_modules, "parallel.fsdp_plan.ignored_modules")
     units = sorted({n for hits in matched.values() for n in hits})
-    mem = estimate_memory(model, cfg, sizes, units)
+    feats = plan_memory_features(model, cfg)
+    mem = estimate_breakdown(
+        model, cfg, sizes.fsdp, units, feats.recompute, feats.offload, detect_device_type()
+    )
 
     tcfg = cfg.training
     out(
@@ -89,15 +77,19 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
         shown = ", ".join(hits[:3]) + (f", ... ({len(hits)} modules)" if len(hits) > 3 else "")
         out(f"  {pat:<32} -> {shown}")
     out("  (root)                           -> the remaining parameters")
+    _print_expert_parallel(model, cfg, sizes, out)
     gbs = tcfg.micro_batch_size * tcfg.grad_accum * sizes.dp
     out(
         f"batch       : micro {tcfg.micro_batch_size} x accumulation {tcfg.grad_accum} x dp {sizes.dp} "
         f"= {gbs} samples per step"
     )
+    for line in describe_features(feats, cfg):
+        out(line)
     out(
-        f"memory/rank : {mem.total / GiB:.3f} GiB model states (params {mem.params / GiB:.3f}, grads "
-        f"{mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}, gathered units "
-        f"{mem.gathered / GiB:.3f}); activations not included"
+        f"memory/rank : {mem.total / GiB:.3f} GiB estimated peak = model states (params "
+        f"{mem.params / GiB:.3f}, grads {mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}) + "
+        f"gathered units {mem.gathered / GiB:.3f} + activations {mem.activations / GiB:.3f} + backward "
+        f"transient {mem.transient / GiB:.3f} (see docs/memory.md)"
     )
     if tcfg.optimizer == "muon":
         from mm_core.models.hub import model_plans

@@ -79,7 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     from mm_core.launch import launch_local
 
-    return launch_local(args.nproc_per_node, argv)
+    return launch_local(args.nproc_per_node, argv, max_restarts=args.max_restarts)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -137,6 +137,14 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
         type=int,
         default=None,
         help="launch this many local worker processes (outside torchrun)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="with --nproc-per-node: restart all workers up to this many times after a failure "
+        "(use with training.load=auto to resume from the last checkpoint)",
     )
 
     p = add("check", "validate a config and print the resolved plan without training", _cmd_check)

@@ -99,6 +99,10 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
     import_plugins(cfg.training.plugin)
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     model.to_empty(device="cpu")
+    if cfg.training.lora.enable:
+        from mm_core.lora import apply_lora
+
+        apply_lora(model, cfg.training.lora)
     with torch.no_grad():
         model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
     state = {"model": model.state_dict()}
@@ -106,6 +110,10 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
         state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True
     )
     model.load_state_dict(state["model"])
+    if cfg.training.lora.enable:
+        from mm_core.lora import merge_lora
+
+        merge_lora(model)  # adapters folded into the base weights: a plain transformers model again
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst, max_shard_size=max_shard_size)

@@ -35,6 +35,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     (2 when a worker stopped on a user error, which it has already printed)."""
     # like torchrun: do not let N workers each start one thread per core
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts > 0:
+        # restarted workers must not read the previous attempt's keys from a store shared with the
+        # rendezvous (stale gloo/NCCL addresses: pytorch/pytorch#135712); give each attempt its own store
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -12,6 +12,8 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
+from mm_core.expert_parallel import apply_expert_parallel
+from mm_core.memory import apply_memory_features, apply_prefetch
 from mm_core.models.hub import model_plans
 from mm_core.parallel_state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
@@ -84,12 +86,12 @@ def select_modules_checked(model: nn.Module, patterns: list[str], key: str) -> l
 
 
 def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Module:
-    """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root."""
-    patterns, source = fsdp_patterns(model, cfg)
-    units = [m for _, m in select_modules_checked(model, patterns, source)]
-    # inner modules must be wrapped before the modules that contain them
-    depth = {id(m): name.count(".") for name, m in model.named_modules()}
-    units.sort(key=lambda m: -depth[id(m)])
+    """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root. With
+    ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them."""
+    if cfg.training.lora.enable:
+        from mm_core.lora import apply_lora
+
+        apply_lora(model, cfg.training.lora)
     plan = cfg.parallel.fsdp_plan
     mp = mixed_precision_policy(
         to_dtype(plan.param_dtype),
@@ -97,7 +99,20 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
         to_dtype(plan.output_dtype),
         plan.cast_forward_inputs,
     )
-    return apply_fsdp(
+    # expert modules are swapped for the expert-parallel adapter (and, with ep > 1, sharded over the expert
+    # mesh) before the other units, which then hold everything else
+    experts = apply_expert_parallel(
+        model, cfg, state, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward
+    )
+    patterns, source = fsdp_patterns(model, cfg)
+    units = [m for n, m in select_modules_checked(model, patterns, source) if n not in experts]
+    # inner modules must be wrapped before the modules that contain them
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    units.sort(key=lambda m: -depth[id(m)])
+    # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after
+    apply_memory_features(model, cfg, state.device.type)
+    unit_names = {id(m): n for n, m in model.named_modules()}
+    sharded = apply_fsdp(
         model,
         state.fsdp_mesh,
         units,
@@ -106,6 +121,8 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
         cpu_offload=plan.cpu_offload,
         ignored_params=ignored_params(model, cfg) or None,
     )
+    apply_prefetch(sharded, cfg, [(unit_names[id(m)], m) for m in units])
+    return sharded
 
 
 @torch.no_grad()

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from mm_core.data.params import COLLATE, anything, boolean, optional_positive_int, read_params
 from mm_core.errors import DataError
 
-from ._params import COLLATE, anything, boolean, optional_positive_int, read_params
 from .packing import IGNORE_INDEX
 
 COLLATE_FIELDS = {

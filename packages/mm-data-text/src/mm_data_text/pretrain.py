@@ -8,9 +8,7 @@ from typing import Any
 
 import torch
 
-from mm_core.errors import DataError
-
-from ._params import (
+from mm_core.data.params import (
     BASIC,
     PREPROCESS,
     boolean,
@@ -21,6 +19,8 @@ from ._params import (
     read_params,
     string,
 )
+from mm_core.errors import DataError
+
 from .packing import PackedStream, pack_documents
 from .sources import TEXT_SUFFIXES, read_documents, resolve_paths
 from .tokenizer import eos_id, load_tokenizer, pad_id

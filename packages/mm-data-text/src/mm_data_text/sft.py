@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from mm_core.data.params import BASIC, PREPROCESS, optional_string, paths, positive_int, read_params, string
 from mm_core.errors import ConfigError, DataError
 
-from ._params import BASIC, PREPROCESS, optional_string, paths, positive_int, read_params, string
 from .chat import ChatEncodeError, encode_conversation, uses_generation_markers
 from .packing import IGNORE_INDEX
 from .sources import iter_jsonl, resolve_paths

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mm_core.data.params import BASIC
 from mm_core.errors import ConfigError, DataError
-
-from ._params import BASIC
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 

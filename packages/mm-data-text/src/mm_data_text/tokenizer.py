@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mm_core.data.params import PREPROCESS
 from mm_core.errors import ConfigError
-
-from ._params import PREPROCESS
 
 
 def load_tokenizer(name_or_path: str, key: str = f"{PREPROCESS}.model_name_or_path") -> Any:

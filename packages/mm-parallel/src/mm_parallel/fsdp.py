@@ -64,7 +64,10 @@ def apply_fsdp(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy or MixedPrecisionPolicy(),
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        # pinned host memory needs an accelerator; on a CPU mesh the shards are plain host tensors already
+        offload_policy=(
+            CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+        ),
         ignored_params=ignored_params,
     )
     owned = {id(m) for m in model.modules()}

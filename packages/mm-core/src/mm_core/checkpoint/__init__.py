@@ -9,10 +9,12 @@ from mm_core.checkpoint.dcp_io import (
     save_checkpoint,
 )
 from mm_core.checkpoint.layout import read_latest, resolve_load_path
-from mm_core.checkpoint.rng import RNGState
+from mm_core.checkpoint.rng import RNGState, set_deterministic
+from mm_core.checkpoint.saver import CheckpointSaver
 
 __all__ = [
     "CONFIG_FILE",
+    "CheckpointSaver",
     "ModelState",
     "RNGState",
     "TrainProgress",
@@ -21,4 +23,5 @@ __all__ = [
     "read_latest",
     "resolve_load_path",
     "save_checkpoint",
+    "set_deterministic",
 ]

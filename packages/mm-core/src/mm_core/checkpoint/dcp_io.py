@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mm_core.checkpoint import layout
+from mm_core.checkpoint.json_state import JsonTensorState
+from mm_core.checkpoint.rng import RNGState
 from mm_core.errors import CheckpointError
 
 CONFIG_FILE = "mm_config.yaml"
@@ -77,17 +79,23 @@ class TrainProgress:
 
 @dataclass
 class TrainingState:
-    """Everything a checkpoint may hold; ``per_rank`` entries are saved under keys suffixed by rank."""
+    """Everything a checkpoint may hold. ``data`` (the data position) is the same on every rank and saved
+    once; ``rng`` is saved per rank under ``rng_rank<r>``."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     progress: TrainProgress = field(default_factory=TrainProgress)
-    per_rank: dict[str, Any] = field(default_factory=dict)  # e.g. {"data": EpochIterator, "rng": RNGState}
+    data: Any = None  # a Stateful with tensor-only state, e.g. mm_core.data.EpochIterator
+    rng: RNGState | None = None
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -95,18 +103,44 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
 def _states(ts: TrainingState, *, optim: bool, rng: bool) -> dict[str, Any]:
-    rank = _rank()
+    """The DCP state dict: Stateful objects whose state is made of tensors only (see json_state)."""
     states: dict[str, Any] = {"model": ModelState(ts.model), "progress": ts.progress}
     if optim and ts.optimizer is not None:
-        states["optimizer"] = OptimizerState(ts.model, ts.optimizer)
+        states["optimizer"] = JsonTensorState(OptimizerState(ts.model, ts.optimizer))
     if ts.scheduler is not None:
-        states["scheduler"] = ts.scheduler
-    for name, obj in ts.per_rank.items():
-        if name == "rng" and not rng:
-            continue
-        states[f"{name}_rank{rank}"] = obj
+        states["scheduler"] = JsonTensorState(ts.scheduler)
+    if ts.data is not None:
+        states["data"] = ts.data
+    if rng and ts.rng is not None:
+        states[rng_key(_rank())] = ts.rng
     return states
+
+
+def begin_save(root: Path, step: int) -> Path:
+    """Make an empty ``.step_<N>.partial`` folder (rank 0) and return it once every rank can see it."""
+    partial = layout.partial_dir(root, step)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+        partial.mkdir()
+    _barrier()
+    return partial
+
+
+def finish_save(root: Path, step: int, config_text: str | None, keep: int | None) -> Path:
+    """Rank 0 only, after every rank's data and DCP's ``.metadata`` are written: add the config, rename the
+    folder to ``step_<N>``, move ``latest``, prune."""
+    partial = layout.partial_dir(root, step)
+    if config_text is not None:
+        (partial / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+    final = layout.finalize(root, step)
+    layout.prune(root, keep)
+    return final
 
 
 def save_checkpoint(
@@ -121,22 +155,13 @@ def save_checkpoint(
 ) -> Path:
     """Write ``<root>/step_<step>`` atomically (see :mod:`mm_core.checkpoint.layout`); all ranks call this."""
     root = Path(root)
-    partial = layout.partial_dir(root, step)
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
-        partial.mkdir()
-    _barrier()
+    partial = begin_save(root, step)
     dcp.save(_states(ts, optim=save_optim, rng=save_rng), checkpoint_id=str(partial))
     _barrier()
-    final = layout.step_dir(root, step)
     if _rank() == 0:
-        if config_text is not None:
-            (partial / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-        layout.finalize(root, step)
-        layout.prune(root, keep)
+        finish_save(root, step, config_text, keep)
     _barrier()
-    return final
+    return layout.step_dir(root, step)
 
 
 def checkpoint_keys(path: Path) -> set[str]:
@@ -183,32 +208,35 @@ def load_checkpoint(
     load_rng: bool = True,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Load whatever ``path`` holds into ``ts``: the model always; optimizer, scheduler, progress and
-    per-rank states when present (a weights-only checkpoint from ``mm convert hf-to-dcp`` starts at step 0).
-    Returns a report of what was loaded and which model keys were missing."""
+    """Load whatever ``path`` holds into ``ts``: the model always; optimizer, scheduler, progress, data
+    position and this rank's random state when present (a weights-only checkpoint from ``mm convert
+    hf-to-dcp`` starts at step 0). Works on any world size: DCP reshards model and optimizer, the data
+    position is global, and a rank the saving job did not have gets a fresh random state derived from the
+    seed, the step and its rank.
+    Returns a report: what was loaded, missing model keys, the saving world size, reseeded ranks."""
     path = Path(path)
     if not layout.is_checkpoint(path):
         raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
-    stored_top = {k.split(".", 1)[0] for k in checkpoint_keys(path)}
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored_top = {k.split(".", 1)[0] for k in metadata}
     missing, skip = _check_model_keys(path, ts, strict)
     states = _states(ts, optim=load_optim, rng=load_rng)
     states["model"] = ModelState(ts.model, skip=skip | set(missing))
     states = {k: v for k, v in states.items() if k in stored_top}
-    per_rank_stored = any(k.rsplit("_rank", 1)[0] in ts.per_rank for k in stored_top if "_rank" in k)
-    if "progress" in stored_top and per_rank_stored:
-        saved_world = int(_saved_world_size(path))
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if saved_world != world:
-            raise CheckpointError(
-                f"training.load: {path} was saved by {saved_world} ranks and this job has {world}; resuming "
-                "data and random state on a different world size is not supported yet (set "
-                "training.no_load_rng: true and start the data anew, or keep the world size)"
-            )
+    for name, obj in states.items():
+        if isinstance(obj, JsonTensorState):
+            obj.json_size = int(metadata[f"{name}.json"].size[0])
     dcp.load(states, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    return {"loaded": sorted(states), "missing_model_keys": missing}
-
-
-def _saved_world_size(path: Path) -> int:
-    probe = {"progress": TrainProgress()}
-    dcp.load(probe, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    return probe["progress"].world_size
+    saved_world = ts.progress.world_size if "progress" in states else None
+    reseeded = False
+    has_rng = any(k.startswith("rng_rank") for k in stored_top)
+    if load_rng and has_rng and ts.rng is not None and rng_key(_rank()) not in states:
+        ts.rng.reseed(ts.progress.step, _rank())  # a rank the saving job did not have
+        reseeded = True
+    ts.progress.world_size = _world()
+    return {
+        "loaded": sorted(states),
+        "missing_model_keys": missing,
+        "saved_world_size": saved_world,
+        "reseeded_rng": reseeded,
+    }

@@ -12,8 +12,17 @@ import torch
 class RNGState:
     """A DCP ``Stateful`` for this rank's random generators (no pickled objects: tensors only)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
+        self.seed = seed
+
+    def reseed(self, step: int, rank: int) -> None:
+        """Fresh generators for a rank that has no saved state (elastic resume onto more ranks): seeded from
+        ``(seed, step, rank)``, so the same resume is reproducible."""
+        seed = (self.seed * 1_000_003 + step * 1_009 + rank) % (2**32)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # CPU and every accelerator device
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -52,3 +61,16 @@ class RNGState:
         torch.set_rng_state(state["torch_cpu"].cpu())
         if "torch_device" in state and self.device.type in ("cuda", "npu"):
             getattr(torch, self.device.type).set_rng_state(state["torch_device"].cpu(), self.device)
+
+
+def set_deterministic(enabled: bool) -> None:
+    """``training.use_deter_comp``: deterministic algorithms where the backend has them (a warning, not an
+    error, for operations that have none), and cuBLAS's fixed workspace so its matmuls are reproducible."""
+    import os
+
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    if torch.backends.cudnn.is_available():
+        torch.backends.cudnn.benchmark = not enabled and torch.backends.cudnn.benchmark
+        torch.backends.cudnn.deterministic = enabled

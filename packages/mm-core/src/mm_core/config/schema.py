@@ -130,8 +130,20 @@ class LossConfig(Block):
 
 
 class RecomputePlan(Block):
+    """``model.recompute_plan`` (used when ``model.recompute: true``; see docs/memory.md)."""
+
     apply_modules: list[str] = Field(default_factory=list)
     use_reentrant: bool = False
+    recompute_granularity: Literal["full", "selective"] = "full"
+    save_ops: list[str] = Field(default_factory=lambda: ["attention"])
+
+
+class ActivationOffloadPlan(Block):
+    """``model.activation_offload_plan`` (used when ``model.activation_offload: true``)."""
+
+    apply_modules: list[str] = Field(default_factory=list)
+    min_offload_bytes: int = Field(1024, ge=0)
+    prefetch: bool = True
 
 
 class ModelConfig(Block):
@@ -145,6 +157,8 @@ class ModelConfig(Block):
     loss_cfg: LossConfig = Field(default_factory=LossConfig)
     recompute: bool = False
     recompute_plan: RecomputePlan = Field(default_factory=RecomputePlan)
+    activation_offload: bool = False
+    activation_offload_plan: ActivationOffloadPlan = Field(default_factory=ActivationOffloadPlan)
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -213,7 +227,17 @@ class TrainingConfig(Block):
 
 
 # ------------------------------------------------------------------------------------------------ tools
-class ProfileConfig(Block):
+class _StepWindow(Block):
+    @field_validator("end_step", check_fields=False)
+    @classmethod
+    def _end_after_start(cls, v: int, info: ValidationInfo) -> int:
+        start = info.data.get("start_step")
+        if start is not None and v < start:
+            raise ValueError(f"must be >= start_step ({start})")
+        return v
+
+
+class ProfileConfig(_StepWindow):
     enable: bool = False
     ranks: list[int] = Field(default_factory=lambda: [0])
     start_step: int = Field(1, ge=1)
@@ -224,7 +248,7 @@ class ProfileConfig(Block):
     with_memory: bool = False
 
 
-class MemoryProfileConfig(Block):
+class MemoryProfileConfig(_StepWindow):
     enable: bool = False
     ranks: list[int] = Field(default_factory=lambda: [0])
     start_step: int = Field(1, ge=1)

@@ -13,21 +13,10 @@ def check_supported(cfg: MMConfig) -> None:
     """Raise :class:`ConfigError` for the first setting mm would otherwise have to ignore."""
     plan = cfg.parallel.fsdp_plan
     checks = [
-        ("parallel.ulysses_parallel_size", cfg.parallel.ulysses_parallel_size, 1),
-        ("parallel.ring_attention_size", cfg.parallel.ring_attention_size, 1),
-        ("parallel.expert_parallel_size", cfg.parallel.expert_parallel_size, 1),
         ("parallel.fsdp_plan.hook_modules", plan.hook_modules, []),
-        ("parallel.fsdp_plan.num_to_forward_prefetch", plan.num_to_forward_prefetch, 0),
-        ("parallel.fsdp_plan.num_to_backward_prefetch", plan.num_to_backward_prefetch, 0),
         ("parallel.fsdp_plan.pregather", plan.pregather, False),
-        ("parallel.ep_plan.apply_modules", cfg.parallel.ep_plan.apply_modules, []),
         ("parallel.ep_plan.apply_efsdp_modules", cfg.parallel.ep_plan.apply_efsdp_modules, []),
-        ("model.recompute", cfg.model.recompute, False),
-        ("training.lora.enable", cfg.training.lora.enable, False),
-        ("training.save_async", cfg.training.save_async, False),
-        ("tools.profile.enable", cfg.tools.profile.enable, False),
-        ("tools.memory_profile.enable", cfg.tools.memory_profile.enable, False),
-        ("data.dataset_param.on_error", cfg.data.dataset_param.on_error, "raise"),
+        ("parallel.ep_plan.dispatcher", cfg.parallel.ep_plan.dispatcher, "alltoall"),
     ]
     for key, value, default in checks:
         if value != default:

@@ -41,7 +41,8 @@ def _merge_overrides(
                 current, dict(data.get(key) or current.to_dict()), value, f"{prefix}.{key}"
             )
             continue
-        data[key] = value
+        # an alias (e.g. Qwen3-MoE's num_experts -> num_local_experts) must land on the stored key
+        data[getattr(config, "attribute_map", {}).get(key, key)] = value
         for derived in _DERIVED.get(key, ()):
             if derived not in overrides:
                 data.pop(derived, None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -16,23 +15,27 @@ import yaml
 from torch import nn
 
 from mm_core.checkpoint import (
+    CheckpointSaver,
     RNGState,
     TrainingState,
     TrainProgress,
     load_checkpoint,
     resolve_load_path,
-    save_checkpoint,
+    set_deterministic,
 )
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
+from mm_core.context_parallel import ContextParallel
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
 from mm_core.errors import DataError
+from mm_core.expert_parallel import router_aux_for
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.muon import clip_grad_norm_adamw_only_
 from mm_core.parallel_state import ParallelState, init_parallel_state
 from mm_core.parallelize import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
 from mm_core.registry import import_plugins
+from mm_core.tools import StepTools
 from mm_core.train.loss import count_units, loss_sum, shift_labels
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
 from mm_parallel.grad import clip_grad_norm_
@@ -69,10 +72,11 @@ class Trainer:
         import_plugins(tcfg.plugin)
         self.state: ParallelState = init_parallel_state(cfg.parallel)
         if tcfg.use_deter_comp:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            set_deterministic(True)
         seed_everything(tcfg.seed)
         self.model = self._build_model()
+        self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
+        self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
         self.float_dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
         if self.float_dtype == torch.float32:
             self.float_dtype = None
@@ -98,7 +102,19 @@ class Trainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             progress=self.progress,
-            per_rank={"data": self.batches, "rng": RNGState(self.state.device)},
+            data=self.batches,
+            rng=RNGState(self.state.device, tcfg.seed),
+        )
+        self.saver = (
+            CheckpointSaver(
+                tcfg.save,
+                async_save=tcfg.save_async,
+                keep=tcfg.save_total_limit,
+                save_optim=not tcfg.no_save_optim,
+                save_rng=not tcfg.no_save_rng,
+            )
+            if tcfg.save
+            else None
         )
         self._resume()
         return self
@@ -146,6 +162,11 @@ class Trainer:
             check_initialised(self.model)
         missing = report["missing_model_keys"]
         note = f"; {len(missing)} model tensors were not in it: {', '.join(missing[:5])}" if missing else ""
+        saved_world = report["saved_world_size"]
+        if saved_world is not None and saved_world != self.state.sizes.world_size:
+            note += f"; resharded from {saved_world} to {self.state.sizes.world_size} ranks"
+            if report["reseeded_rng"] or saved_world < self.state.sizes.world_size:
+                note += f" (ranks {saved_world}.. got fresh random states from the seed, step and rank)"
         self._info(f"loaded {path} ({', '.join(report['loaded'])}) at step {self.progress.step}{note}")
 
     def _info(self, msg: str) -> None:
@@ -158,6 +179,8 @@ class Trainer:
         for _ in range(self.cfg.training.grad_accum):
             batch = next(self.batches)
             batch.pop("sample_id", None)
+            # records a dataset skipped (data.dataset_param.on_error: skip), counted by this rank
+            self.skipped_samples = getattr(self, "skipped_samples", 0) + int(batch.pop("skipped_samples", 0))
             out.append(batch)
         return out
 
@@ -169,10 +192,9 @@ class Trainer:
         shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.state.device, self.float_dtype)
-        mask = batch.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        if loss_type == "raw":
-            return batch, None, 0.0, tokens
+        if loss_type == "raw":  # (refused with context parallel: ContextParallel.build)
+            mask = batch.get("attention_mask")
+            return batch, None, 0.0, int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         if "labels" not in batch:
             raise DataError(
                 f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
@@ -180,6 +202,10 @@ class Trainer:
                 "that produces labels, or loss_type: raw to use the model's own .loss"
             )
         targets = shift_labels(batch.pop("labels"))
+        if self.context is not None:  # this rank's part of the sequence; counts below are of that part
+            batch, targets = self.context.shard(batch, targets)
+        mask = batch.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         return batch, targets, float(count_units(targets, loss_type)), tokens
 
     def _forward_loss(
@@ -187,12 +213,24 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
         reported loss (a sum over loss units, or the raw loss)."""
-        out = self.model(**batch, use_cache=False)
+        moe = {"output_router_logits": True} if self.router_aux is not None else {}
+        out = self.model(**batch, use_cache=False, **moe)
         if targets is None:
             loss = out.loss * scale
             return loss, loss.detach()
         s = loss_sum(out.logits, targets, self.cfg.model.loss_cfg.loss_type)
-        return s * scale, s.detach()
+        return self._add_router_loss(s * scale, out, batch), s.detach()
+
+    def _add_router_loss(self, loss: torch.Tensor, out: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Add ``router_aux_loss_coef`` x the load-balancing loss of the global micro-batch (this rank share,
+        scaled like the main loss for FSDP's averaging and by 1 / micro-batches); record its value."""
+        if self.router_aux is None:
+            return loss
+        share, value = self.router_aux(out.router_logits, batch.get("attention_mask"))
+        self._aux_values.append(float(value))
+        if not self.router_aux.coef:
+            return loss
+        return loss + share * (self.router_aux.coef * self._aux_scale)
 
     def _clip_and_step(self) -> tuple[float, float]:
         """Clip gradients by the global norm, step optimizer and schedule; returns (grad norm, lr used)."""
@@ -220,6 +258,8 @@ class Trainer:
         # (sum of losses / global units), the same for every layout
         ranks_averaged = float(self.state.sizes.world_size)
         scale = 1.0 / len(prepared) if raw else ranks_averaged / max(global_units, 1.0)
+        self._aux_values: list[float] = []
+        self._aux_scale = ranks_averaged / len(prepared)
 
         loss_acc = torch.zeros((), dtype=torch.float64)
         for batch, targets, _, _ in prepared:
@@ -229,7 +269,10 @@ class Trainer:
         dist.all_reduce(loss_acc)
         step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
         grad_norm, lr = self._clip_and_step()
-        return {"loss": step_loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(global_tokens)}
+        metrics = {"loss": step_loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(global_tokens)}
+        if self._aux_values:  # mixture-of-experts: the mean over micro-batches of the global router loss
+            metrics["aux_loss"] = sum(self._aux_values) / len(self._aux_values)
+        return metrics
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
@@ -250,14 +293,17 @@ class Trainer:
         )
         records: list[dict[str, Any]] = []
         sync = getattr(torch, self.state.device_type).synchronize if self.state.device_type != "cpu" else None
+        tools = StepTools(cfg.tools, dist.get_rank(), self.state.device_type, self.out_dir)
         try:
             while self.progress.step < tcfg.train_iters:
+                tools.step_begin(self.progress.step + 1)
                 t0 = time.perf_counter()
                 micro = self._next_micro_batches()
                 metrics = self.train_step(micro)
                 if sync is not None:
                     sync()
                 dt = time.perf_counter() - t0
+                tools.step_end(self.progress.step + 1)
                 self.progress.step += 1
                 self.progress.consumed_samples += (
                     tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
@@ -274,12 +320,23 @@ class Trainer:
                         "step_time_s": dt,
                         "peak_mem_gb": peak.item(),
                     }
+                    if cfg.data.dataset_param.on_error == "skip":
+                        skipped = torch.tensor([getattr(self, "skipped_samples", 0)], dtype=torch.int64)
+                        dist.all_reduce(skipped)  # ranks of one data-parallel group read the same records
+                        record["skipped_samples"] = int(skipped.item()) // (
+                            self.state.sizes.world_size // self.state.sizes.dp
+                        )
                     records.append(record)
                     logger.log(record)
                 logger.advance()
+                if self.saver is not None:
+                    self.saver.poll()
                 if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
                     self.save()
+            if self.saver is not None:
+                self.saver.wait()
         finally:
+            tools.close()
             logger.close()
         return records
 
@@ -287,20 +344,16 @@ class Trainer:
         return yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
 
     def save(self) -> Path:
-        tcfg = self.cfg.training
-        path = save_checkpoint(
-            tcfg.save,
-            self.progress.step,
-            self.train_state,
-            save_optim=not tcfg.no_save_optim,
-            save_rng=not tcfg.no_save_rng,
-            config_text=self.config_text(),
-            keep=tcfg.save_total_limit,
-        )
-        self._info(f"saved checkpoint {path}")
+        """Save a checkpoint of this step (with ``training.save_async``, start one; it completes later)."""
+        assert self.saver is not None, "training.save is not set"
+        path = self.saver.save(self.progress.step, self.train_state, self.config_text())
+        if not self.cfg.training.save_async:
+            self._info(f"saved checkpoint {path}")
         return path
 
     def close(self) -> None:
+        if getattr(self, "saver", None) is not None:
+            self.saver.close()  # a process exit waits for an asynchronous save in flight
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""Validation of the free-form ``basic_parameters`` / ``preprocess_parameters`` / ``collate_param`` dicts."""
+"""Validation helpers for the free-form dicts a plugin reads (``basic_parameters``, ``preprocess_parameters``,
+``collate_param``): typed keys, defaults, and errors naming the full dotted key with a "did you mean"."""
 
 from __future__ import annotations
 

@@ -1,0 +1,180 @@
+"""Context parallelism wired into the trainer: ``parallel.ulysses_parallel_size`` and
+``parallel.ring_attention_size``.
+
+- mm's attention function is registered under its own name (:data:`ATTENTION_NAME`) through transformers'
+  public ``AttentionInterface`` and the model is switched to it with ``set_attn_implementation``; the
+  built-in ``sdpa``/``eager`` entries are left untouched. No mask function is registered for that name, so
+  transformers builds no (sequence-sized) mask: the attention derives its mask from the sequence layout.
+- :meth:`ContextParallel.shard` splits each micro-batch along the sequence after the labels were shifted:
+  global position ids and per-token segment ids (packed documents, padding) are computed on the whole
+  sequence first, the sequence is padded to a multiple of the layout (padding is never attended to and
+  its targets are -100, so the loss does not change), and every sequence-shaped field is cut to this rank's
+  tokens. The layout travels to every attention layer as the keyword argument :data:`LAYOUT_KWARG`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mm_core.config.schema import MMConfig
+from mm_core.errors import ConfigError
+from mm_core.parallel_state import ParallelSizes, ParallelState
+from mm_parallel.context import (
+    PAD_SEGMENT,
+    SequenceLayout,
+    context_parallel_attention,
+    pad_multiple,
+    pad_sequence,
+    segments_from_positions,
+)
+
+IGNORE_INDEX = -100  # the loss target of positions that do not count (as in mm_core.train.loss)
+ATTENTION_NAME = "mm_context_parallel"
+LAYOUT_KWARG = "mm_sequence_layout"
+
+
+def context_parallel_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function (``AttentionInterface`` signature) for context-parallel shards.
+
+    ``attention_mask`` is ignored: which keys each query sees comes from the :class:`SequenceLayout` passed
+    as ``mm_sequence_layout`` (causal within documents, padding masked)."""
+    layout = kwargs.get(LAYOUT_KWARG)
+    if not isinstance(layout, SequenceLayout):
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} was called without the keyword argument "
+            f"{LAYOUT_KWARG!r}; it only runs inside mm's trainer with context parallelism, which passes the "
+            "sequence layout of each micro-batch"
+        )
+    if dropout:
+        raise ConfigError(
+            f"model.config_overrides.attention_dropout: got {dropout}; context parallel attention supports "
+            "no attention dropout (set it to 0.0)"
+        )
+    if sliding_window is not None:
+        raise ConfigError(
+            f"model.config_overrides.use_sliding_window: layer uses a sliding window of {sliding_window}; "
+            "context parallel attention supports full causal attention only (set use_sliding_window: false)"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ConfigError("context parallel attention does not support attention logit soft-capping")
+    return context_parallel_attention(query, key, value, layout, scaling), None
+
+
+def register_attention() -> str:
+    """Register mm's context-parallel attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, context_parallel_attention_forward)
+    return ATTENTION_NAME
+
+
+def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> None:
+    """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention."""
+    key = "ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size"
+    if cfg.model.loss_cfg.loss_type == "raw":
+        raise ConfigError(
+            f"model.loss_cfg.loss_type: got 'raw'; with parallel.{key} > 1 each rank holds part of every "
+            "sequence, so the model's own .loss cannot be used; use per_token_loss or per_sample_loss"
+        )
+    config = getattr(model, "config", None)
+    if not hasattr(model, "set_attn_implementation") or config is None:
+        raise ConfigError(
+            f"parallel.{key}: model {cfg.model.model_id!r} ({type(model).__name__}) is not a transformers "
+            "model using AttentionInterface, which context parallelism plugs into"
+        )
+    towers = [name for name in getattr(config, "sub_configs", {}) if name != "text_config"]
+    text = getattr(config, "text_config", None) or config
+    kinds = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if towers or kinds:
+        what = f"sub-models {towers}" if towers else f"layers of type {kinds}"
+        raise ConfigError(
+            f"parallel.{key}: model {cfg.model.model_id!r} has {what}; context parallelism supports text "
+            "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe)"
+        )
+    heads = getattr(text, "num_attention_heads", None)
+    if sizes.ulysses > 1 and heads is not None and heads % sizes.ulysses:
+        raise ConfigError(
+            f"parallel.ulysses_parallel_size: got {sizes.ulysses}; it must divide the model's "
+            f"num_attention_heads {heads}"
+        )
+    model.set_attn_implementation(register_attention())
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        raise ConfigError(
+            f"parallel.{key}: {type(model).__name__} did not accept the attention implementation "
+            f"{ATTENTION_NAME!r} (it does not dispatch attention through transformers' AttentionInterface)"
+        )
+
+
+class ContextParallel:
+    """Per-rank context-parallel state: sizes, this rank's ring/Ulysses coordinates and process groups."""
+
+    def __init__(self, state: ParallelState) -> None:
+        sizes = state.sizes
+        self.ring, self.ulysses = sizes.ring, sizes.ulysses
+        mesh = state.cp_mesh
+        self.ring_rank = mesh["ring"].get_local_rank()
+        self.ulysses_rank = mesh["ulysses"].get_local_rank()
+        self.ring_group = mesh["ring"].get_group() if self.ring > 1 else None
+        self.ulysses_group = mesh["ulysses"].get_group() if self.ulysses > 1 else None
+        self.multiple = pad_multiple(self.ring, self.ulysses)
+
+    @classmethod
+    def build(cls, model: nn.Module, cfg: MMConfig, state: ParallelState) -> ContextParallel | None:
+        """Switch ``model`` to the context-parallel attention when ``cp > 1``; None otherwise."""
+        if state.sizes.cp == 1:
+            return None
+        use_context_parallel_attention(model, cfg, state.sizes)
+        return cls(state)
+
+    def shard(
+        self, batch: dict[str, Any], targets: torch.Tensor | None
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """This rank's part of a micro-batch whose labels are already shifted into ``targets``.
+
+        Returns the local batch (with a local ``attention_mask``: 1 = real token, and the layout under
+        :data:`LAYOUT_KWARG`) and the local targets."""
+        ids = batch["input_ids"]
+        b, s = ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(s, device=ids.device).expand(b, s)
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            segments = torch.where(mask.bool(), 0, PAD_SEGMENT)
+        else:
+            segments = segments_from_positions(positions)
+        length = -(-s // self.multiple) * self.multiple
+        layout = SequenceLayout(
+            pad_sequence(segments, length, PAD_SEGMENT),
+            self.ring,
+            self.ring_rank,
+            self.ulysses,
+            self.ulysses_rank,
+            self.ring_group,
+            self.ulysses_group,
+        )
+        out: dict[str, Any] = {}
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
+                out[name] = layout.shard(pad_sequence(value, length, 0))
+            else:
+                out[name] = value
+        out["position_ids"] = layout.shard(pad_sequence(positions, length, 0))
+        out["attention_mask"] = (layout.shard(layout.segments) != PAD_SEGMENT).long()
+        out[LAYOUT_KWARG] = layout
+        if targets is not None:
+            targets = layout.shard(pad_sequence(targets, length, IGNORE_INDEX))
+        return out, targets

@@ -1,0 +1,157 @@
+"""Expert parallelism from the YAML: ``parallel.expert_parallel_size`` and ``parallel.ep_plan``.
+
+The expert modules named by ``parallel.ep_plan.apply_modules`` (or the model's default ``mm_ep_modules``) are
+replaced, in the model's own module tree, by mm-parallel's :class:`ExpertParallelExperts` (or the model's
+``mm_expert_adapter`` subclass of it): experts split over the ``ep`` dimension of
+``ParallelState.expert_mesh`` and FSDP2-sharded over ``efsdp`` (x ``dp_replicate``). Also here: the router
+load-balancing loss added to the training loss (``model.loss_cfg.router_aux_loss_coef``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mm_core.config.schema import LossConfig, MMConfig
+from mm_core.errors import ConfigError
+from mm_core.models.hub import model_plans
+from mm_core.parallel_state import ParallelSizes, ParallelState
+from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_experts, swap_experts
+from mm_parallel.patterns import PatternError, match_modules
+
+KEY = "parallel.ep_plan.apply_modules"
+
+
+def ep_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
+    """The expert module patterns and where they came from (the YAML, or the model's default plan)."""
+    if cfg.parallel.ep_plan.apply_modules:
+        return list(cfg.parallel.ep_plan.apply_modules), KEY
+    return model_plans(model)["ep"], f"default ep plan of {type(model).__name__}"
+
+
+def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tuple[list[str], str]:
+    """Names of the modules that become expert-parallel (empty when EP is off), checked against ``sizes``."""
+    patterns, source = ep_patterns(model, cfg)
+    ep = sizes.ep
+    if ep == 1 and not cfg.parallel.ep_plan.apply_modules:
+        return [], source
+    if not patterns:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: got {ep}; {type(model).__name__} declares no default expert "
+            f"plan (mm_ep_modules), so set {KEY} to its fused experts modules "
+            "(e.g. model.layers.{*}.mlp.experts)"
+        )
+    try:
+        matched = match_modules(model, patterns)
+    except PatternError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    wanted = {n for hits in matched.values() for n in hits}
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n in wanted]
+    for name in names:
+        w = getattr(modules[name], "gate_up_proj", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 3 or not hasattr(modules[name], "down_proj"):
+            raise ConfigError(
+                f"{source}: {name} ({type(modules[name]).__name__}) is not a fused experts module with 3-D "
+                "gate_up_proj [experts, 2*inter, hidden] and down_proj weights; match the experts module "
+                "itself (e.g. model.layers.{*}.mlp.experts), not its parent block"
+            )
+        if w.shape[0] % ep:
+            raise ConfigError(
+                f"parallel.expert_parallel_size: got {ep}; {name} has {w.shape[0]} experts, which must split "
+                f"evenly (accepted: divisors of {w.shape[0]} that divide {sizes.fsdp})"
+            )
+    return names, source
+
+
+def apply_expert_parallel(
+    model: nn.Module, cfg: MMConfig, state: ParallelState, **fully_shard_kwargs: Any
+) -> list[str]:
+    """Swap the expert modules for the expert-parallel adapter and, with ``ep > 1``, FSDP2-shard them over
+    the expert mesh. Call before the other FSDP units are wrapped. Returns the adapted module names."""
+    names, _ = expert_modules(model, cfg, state.sizes)
+    if not names:
+        return []
+    sizes = state.sizes
+    ep_mesh = state.expert_mesh["ep"] if sizes.ep > 1 else None
+    adapter = getattr(model, "mm_expert_adapter", None) or ExpertParallelExperts
+    swapped = swap_experts(model, names, ep_mesh, adapter=adapter)
+    if sizes.ep > 1:
+        mesh = state.expert_mesh
+        fsdp_mesh = mesh["dp_replicate", "efsdp"] if sizes.dp_replicate > 1 else mesh["efsdp"]
+        # the loss is scaled for an average over every rank (see Trainer.train_step): divide expert
+        # gradients by the same number, although FSDP reduces them over only world / ep ranks
+        shard_experts(list(swapped.values()), fsdp_mesh, sizes.world_size, **fully_shard_kwargs)
+    return names
+
+
+def expert_layout(model: nn.Module, names: Sequence[str], sizes: ParallelSizes) -> list[str]:
+    """Lines for ``mm check``: which experts each ep rank computes and which global ranks those are."""
+    modules = dict(model.named_modules())
+    counts = sorted({int(modules[n].gate_up_proj.shape[0]) for n in names})
+    lines = []
+    for num in counts:
+        per = num // sizes.ep
+        for j in range(sizes.ep):
+            ranks = [r for r in range(sizes.world_size) if r % sizes.ep == j]
+            shown = ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
+            lines.append(
+                f"  ep rank {j}: experts {j * per}-{(j + 1) * per - 1} of {num}  (global ranks {shown})"
+            )
+    return lines
+
+
+@dataclass(frozen=True)
+class RouterAux:
+    """The router load-balancing loss of a mixture-of-experts model, over the global micro-batch."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+
+    def __call__(
+        self, router_logits: Sequence[torch.Tensor], attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(share, value)`` of :func:`mm_parallel.moe.load_balancing_loss`, reduced over every rank (the
+        data- and context-parallel ranks of one micro-step). Padding rows (attention mask 0) are left out."""
+        rows = router_logits[0].shape[0]
+        mask = attention_mask
+        if mask is not None and mask.numel() != rows:
+            if bool(mask.all()):
+                mask = None
+            else:
+                raise ConfigError(
+                    f"model.loss_cfg.router_aux_loss_coef: the attention mask has {mask.numel()} entries for "
+                    f"{rows} router rows on this rank, so padding cannot be left out of the router loss; "
+                    "pack the data without padding or set router_aux_loss_coef: 0"
+                )
+        group = dist.group.WORLD if dist.is_initialized() else None
+        return load_balancing_loss(list(router_logits), self.num_experts, self.top_k, mask, group)
+
+
+def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
+    """The router loss of a model whose config has ``num_experts`` and ``num_experts_per_tok``, else None."""
+    config = getattr(model, "config", None)
+    num_experts = getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    coef = loss_cfg.router_aux_loss_coef
+    if not num_experts or not top_k:
+        if coef:
+            raise ConfigError(
+                f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} has no router "
+                "(no num_experts / num_experts_per_tok in its config); set it to 0"
+            )
+        return None
+    if loss_cfg.loss_type == "raw":
+        if coef:
+            raise ConfigError(
+                f"model.loss_cfg.router_aux_loss_coef: got {coef} with loss_type raw, which uses the model's "
+                "own .loss as is; use loss_type per_token_loss (or default) to add the router loss"
+            )
+        return None
+    return RouterAux(int(num_experts), int(top_k), float(coef))

@@ -1,0 +1,166 @@
+"""The YAML's memory features applied to a model: ``model.recompute`` (full or selective),
+``model.activation_offload`` and ``parallel.fsdp_plan.num_to_{forward,backward}_prefetch``.
+
+Recompute and offload are applied before ``fully_shard`` (they are module hooks and keep parameter names);
+prefetch is wired after it, from the order the FSDP units really run in during the first forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from mm_core.config.schema import MMConfig
+from mm_core.errors import ConfigError
+from mm_core.models.hub import model_plans
+from mm_parallel.memory import ActivationOffloader, ExecutionOrderPrefetch, apply_recompute, resolve_ops
+from mm_parallel.patterns import PatternError, match_modules
+
+
+@dataclass
+class MemoryFeatures:
+    """What was applied, for ``mm check`` and the logs."""
+
+    recompute: list[str] = field(default_factory=list)
+    recompute_mode: str = "off"
+    offload: list[str] = field(default_factory=list)
+    offloader: ActivationOffloader | None = None
+    prefetch: ExecutionOrderPrefetch | None = None
+
+
+def _matched(model: nn.Module, patterns: list[str], key: str) -> list[tuple[str, nn.Module]]:
+    try:
+        hits = match_modules(model, patterns)
+    except PatternError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    wanted = {n for names in hits.values() for n in names}
+    return [(n, m) for n, m in model.named_modules() if n in wanted]
+
+
+def _plan_modules(model: nn.Module, patterns: list[str], key: str, what: str) -> list[tuple[str, nn.Module]]:
+    """The YAML patterns, or the model's default recompute plan (block granularity) when empty."""
+    source = key
+    if not patterns:
+        patterns = model_plans(model)["recompute"]
+        source = f"{key} (empty; default plan of {type(model).__name__})"
+        if not patterns:
+            raise ConfigError(
+                f"{key}: empty, and {type(model).__name__} declares no default plan "
+                f"(mm_recompute_modules); list the modules to {what}, e.g. [model.layers.{{*}}]"
+            )
+    return _matched(model, list(patterns), source)
+
+
+def _overlap(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
+    for x in a:
+        for y in b:
+            if x == y or x.startswith(y + ".") or y.startswith(x + ".") or not x or not y:
+                return x, y
+    return None
+
+
+def plan_memory_features(model: nn.Module, cfg: MMConfig) -> MemoryFeatures:
+    """Resolve and validate the recompute and offload plans without touching the model."""
+    mcfg = cfg.model
+    out = MemoryFeatures()
+    if mcfg.recompute:
+        plan = mcfg.recompute_plan
+        if plan.use_reentrant:
+            raise ConfigError(
+                "model.recompute_plan.use_reentrant: got true; mm checkpoints with the non-reentrant "
+                "implementation (the one that composes with FSDP2); set it to false"
+            )
+        if plan.recompute_granularity == "selective":
+            try:
+                resolve_ops(plan.save_ops)
+            except ValueError as exc:
+                raise ConfigError(f"model.recompute_plan.save_ops: {exc}") from None
+            if not plan.save_ops:
+                raise ConfigError(
+                    "model.recompute_plan.save_ops: empty with recompute_granularity: selective; list the "
+                    "ops whose outputs to keep (e.g. [attention]) or use recompute_granularity: full"
+                )
+        mods = _plan_modules(model, plan.apply_modules, "model.recompute_plan.apply_modules", "recompute")
+        out.recompute = [n for n, _ in mods]
+        out.recompute_mode = plan.recompute_granularity
+    if mcfg.activation_offload:
+        mods = _plan_modules(
+            model,
+            mcfg.activation_offload_plan.apply_modules,
+            "model.activation_offload_plan.apply_modules",
+            "offload",
+        )
+        out.offload = [n for n, _ in mods]
+        clash = _overlap(out.recompute, out.offload)
+        if clash:
+            raise ConfigError(
+                f"model.activation_offload_plan.apply_modules: {clash[1] or '(root)'} is also recomputed "
+                f"(model.recompute_plan matched {clash[0] or '(root)'}); a module's activations are either "
+                "recomputed or offloaded; give the two plans different modules"
+            )
+    return out
+
+
+def apply_memory_features(model: nn.Module, cfg: MMConfig, device_type: str) -> MemoryFeatures:
+    """Recompute and activation offload on the planned modules; call before ``fully_shard``."""
+    feats = plan_memory_features(model, cfg)
+    modules = dict(model.named_modules())
+    if feats.recompute:
+        plan = cfg.model.recompute_plan
+        save_ops = resolve_ops(plan.save_ops) if plan.recompute_granularity == "selective" else None
+        apply_recompute([modules[n] for n in feats.recompute], save_ops=save_ops)
+    if feats.offload:
+        oplan = cfg.model.activation_offload_plan
+        feats.offloader = ActivationOffloader(
+            device_type, min_bytes=oplan.min_offload_bytes, prefetch=oplan.prefetch
+        )
+        feats.offloader.attach((n, modules[n]) for n in feats.offload)
+    return feats
+
+
+def apply_prefetch(
+    model: nn.Module, cfg: MMConfig, units: Sequence[tuple[str, nn.Module]]
+) -> ExecutionOrderPrefetch | None:
+    """FSDP2 prefetch of ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` units, in the order the
+    units run (recorded in the first forward); call after ``fully_shard``."""
+    plan = cfg.parallel.fsdp_plan
+    if not (plan.num_to_forward_prefetch or plan.num_to_backward_prefetch):
+        return None
+    units = [(n, m) for n, m in units if m is not model]
+    if not units:
+        raise ConfigError(
+            "parallel.fsdp_plan.num_to_forward_prefetch/num_to_backward_prefetch: the FSDP plan has no units "
+            "besides the root, so there is nothing to prefetch; add parallel.fsdp_plan.apply_modules"
+        )
+    return ExecutionOrderPrefetch(
+        model, units, num_forward=plan.num_to_forward_prefetch, num_backward=plan.num_to_backward_prefetch
+    )
+
+
+def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
+    """Lines for ``mm check``: which modules each memory feature applies to."""
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(n or "(root)" for n in names[:3]) + (
+            f", ... ({len(names)} modules)" if len(names) > 3 else ""
+        )
+
+    lines = []
+    if feats.recompute:
+        extra = ""
+        if feats.recompute_mode == "selective":
+            extra = f", keeping the outputs of {', '.join(cfg.model.recompute_plan.save_ops)}"
+        lines.append(f"recompute   : {feats.recompute_mode}{extra} -> {shown(feats.recompute)}")
+    if feats.offload:
+        lines.append(f"act. offload: saved activations to host memory -> {shown(feats.offload)}")
+    plan = cfg.parallel.fsdp_plan
+    if plan.num_to_forward_prefetch or plan.num_to_backward_prefetch:
+        lines.append(
+            f"prefetch    : {plan.num_to_forward_prefetch} unit(s) ahead in forward, "
+            f"{plan.num_to_backward_prefetch} in backward, in the order recorded during the first forward"
+        )
+    if plan.cpu_offload:
+        lines.append("cpu offload : sharded parameters, gradients and optimizer states in host memory")
+    return lines

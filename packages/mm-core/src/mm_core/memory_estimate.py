@@ -1,0 +1,154 @@
+"""Per-rank memory estimate for ``mm check``: model states, gathered FSDP units, activations.
+
+Everything is derived from what is stored, not fitted:
+
+- model states: fp32 master parameters, gradients and optimizer moments (AdamW: 2, Muon: 1), each sharded
+  over the FSDP group;
+- gathered units: the root unit stays unsharded for the whole step (FSDP2 does not reshard the root after
+  forward); the largest other unit is unsharded while it runs, plus ``num_to_forward_prefetch`` more ahead of
+  it, and in backward its unsharded gradient waits for the reduce-scatter;
+- activations, for Hugging Face decoder models (``hidden_size``, ``intermediate_size``, heads): per layer and
+  token autograd keeps 6 hidden-sized tensors (the two RMSNorms' input and normalised output, the attention
+  and MLP inputs), 4 (2 without q/k norms) query-sized and key/value-sized tensors (q/k norm input and output,
+  the rotated q, k and v that attention saves, its output), 4 intermediate-sized ones (gate, up, SiLU(gate),
+  their product); outside the layers the final norm and ``lm_head`` input (3 hidden-sized) and the fp32
+  log-probabilities of the loss (vocabulary-sized). Counted this way the total matches what autograd's
+  saved-tensor hooks report for Qwen3 exactly (see docs/memory.md);
+- with full recompute a checkpointed layer keeps only its input, and one layer's activations exist again
+  while it is recomputed in backward; selective recompute also keeps the attention output (and its
+  log-sum-exp) of each layer;
+- at the start of backward the gradient of the log-probabilities and of the logits (two vocabulary-sized fp32
+  tensors) and one layer's activation gradients exist on top of the saved activations; later in backward the
+  sharded gradients grow while the activations are freed, so the peak is the larger of the two phases.
+
+Not included: allocator caching and fragmentation, communication buffers, the data pipeline. Activation
+offload moves activations to host memory, so on a CPU run it changes nothing (on an accelerator the offloaded
+blocks are subtracted from device memory).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from mm_core.config.schema import MMConfig
+
+_LAYER = re.compile(r"(^|\.)layers\.\d+$")
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        backward_start = self.activations + self.transient
+        return self.params + self.optimizer + self.gathered + max(backward_start, self.grads)
+
+
+def _numel(module: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def _tokens_per_micro_batch(cfg: MMConfig) -> int:
+    basic = cfg.data.dataset_param.basic_parameters
+    seq = basic.get("seq_len") or basic.get("cutoff_len") or 0
+    return cfg.training.micro_batch_size * int(seq)
+
+
+def _layer_activation_bytes(config, tokens: int, itemsize: int, qk_norm: bool) -> tuple[float, float, float]:
+    """Per micro-batch: (bytes one decoder layer saves, its input, what selective recompute keeps)."""
+    h, i = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim
+    per_token = 6 * h + (4 if qk_norm else 2) * (q + kv) + 4 * i
+    kept_selective = tokens * (q * itemsize + heads * 4)  # attention output + fp32 log-sum-exp
+    return tokens * per_token * itemsize, tokens * h * itemsize, kept_selective
+
+
+def estimate_activations(
+    model: nn.Module, cfg: MMConfig, recompute: list[str], offload: list[str], device_type: str = "cpu"
+) -> tuple[float, float]:
+    """(saved activations, backward-start transient) in bytes for one micro-batch, or (0, 0) when the model
+    is not a decoder this estimate understands."""
+    config = getattr(model, "config", None)
+    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+    tokens = _tokens_per_micro_batch(cfg)
+    if config is None or not all(hasattr(config, k) for k in needed) or not tokens:
+        return 0.0, 0.0
+    from mm_core.parallelize import to_dtype
+
+    itemsize = to_dtype(cfg.parallel.fsdp_plan.param_dtype).itemsize
+    qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
+    layer, layer_input, selective = _layer_activation_bytes(config, tokens, itemsize, qk_norm)
+    n_layers = config.num_hidden_layers
+    n_recomputed = sum(1 for n in recompute if _LAYER.search(n))
+    n_offloaded = sum(1 for n in offload if _LAYER.search(n)) if device_type != "cpu" else 0
+    kept_recomputed = layer_input + (
+        selective if cfg.model.recompute_plan.recompute_granularity == "selective" else 0
+    )
+    acts = (n_layers - n_recomputed - n_offloaded) * layer + n_recomputed * kept_recomputed
+    acts += 3 * tokens * config.hidden_size * itemsize + tokens * config.vocab_size * 4
+    transient = 2 * tokens * config.vocab_size * 4 + layer * (2 if n_recomputed else 1)
+    return float(acts), float(transient)
+
+
+def estimate_breakdown(
+    model: nn.Module,
+    cfg: MMConfig,
+    fsdp_size: int,
+    unit_names: list[str],
+    recompute: list[str],
+    offload: list[str],
+    device_type: str = "cpu",
+) -> MemoryBreakdown:
+    """Per-rank bytes for a model built on meta, the resolved FSDP units and memory features."""
+    from mm_core.parallelize import to_dtype
+
+    plan = cfg.parallel.fsdp_plan
+    total, trainable = _numel(model), _numel(model, trainable_only=True)
+    param_bytes = to_dtype(plan.param_dtype).itemsize
+    grad_bytes = to_dtype(plan.reduce_dtype).itemsize
+    modules = dict(model.named_modules())
+    unit_sizes = [_numel(modules[n]) for n in unit_names if n]
+    root = total - sum(unit_sizes)
+    biggest = max(unit_sizes, default=0)
+    moments = 1 if cfg.training.optimizer == "muon" else 2
+    gathered = root * param_bytes + (1 + plan.num_to_forward_prefetch) * biggest * param_bytes
+    acts, transient = estimate_activations(model, cfg, recompute, offload, device_type)
+    return MemoryBreakdown(
+        params=4 * total / fsdp_size,
+        grads=4 * trainable / fsdp_size + biggest * grad_bytes,
+        optimizer=4 * moments * trainable / fsdp_size,
+        gathered=gathered,
+        activations=acts,
+        transient=transient,
+    )
+
+
+def estimate_for_config(cfg: MMConfig, world_size: int, device_type: str = "cpu") -> MemoryBreakdown:
+    """Build the model on meta, resolve the plans for ``world_size`` ranks and estimate (no training)."""
+    from mm_core.memory import plan_memory_features
+    from mm_core.models.hub import ModelHub
+    from mm_core.parallel_state import resolve_sizes
+    from mm_core.parallelize import apply_freeze, fsdp_patterns, resolve_patterns
+    from mm_core.registry import import_plugins
+
+    import_plugins(cfg.training.plugin)
+    sizes = resolve_sizes(cfg.parallel, world_size)
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    apply_freeze(model, cfg.model.freeze)
+    patterns, source = fsdp_patterns(model, cfg)
+    units = sorted({n for hits in resolve_patterns(model, patterns, source).values() for n in hits})
+    feats = plan_memory_features(model, cfg)
+    return estimate_breakdown(model, cfg, sizes.fsdp, units, feats.recompute, feats.offload, device_type)

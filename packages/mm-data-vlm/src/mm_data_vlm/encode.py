@@ -1,0 +1,115 @@
+"""Turn one conversation with images into model inputs, Qwen-VL style.
+
+Each ``<image>`` placeholder becomes ``<|vision_start|>`` + N × ``<|image_pad|>`` + ``<|vision_end|>``,
+where N is the number of merged patches the image processor produced for that image
+(``grid_thw.prod() // merge²``,
+the same rule as transformers' ``Qwen3VLProcessor``). The conversation is then rendered with the tokenizer's
+chat template, and only assistant turns carry labels (the reply and its end-of-turn token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mm_core.errors import ConfigError
+
+from .records import IMAGE_PLACEHOLDER
+
+IGNORE_INDEX = -100
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+
+
+class EncodeError(ValueError):
+    """A conversation cannot be encoded (placeholders and images disagree, template problems, ...)."""
+
+
+@dataclass
+class VisionProcessor:
+    """The model's Hugging Face tokenizer and image processor, loaded from one local folder."""
+
+    tokenizer: Any
+    image_processor: Any
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def load(cls, path: str, min_pixels: int | None, max_pixels: int | None, key: str) -> VisionProcessor:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        if not (Path(path) / "preprocessor_config.json").is_file():
+            raise ConfigError(
+                f"{key}.model_name_or_path: {path!r} is not a local folder with a preprocessor_config.json "
+                "(the model's Hugging Face processor files)"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        image_processor = AutoImageProcessor.from_pretrained(path, **limits)
+        ids = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ConfigError(
+                f"{key}.model_name_or_path: the tokenizer at {path!r} lacks Qwen's vision tokens "
+                f"{VISION_START}, {VISION_END}, {IMAGE_PAD}"
+            )
+        if not isinstance(tokenizer.chat_template, str) or not tokenizer.chat_template:
+            raise ConfigError(f"{key}.model_name_or_path: the tokenizer at {path!r} has no chat_template")
+        return cls(tokenizer, image_processor, int(ids[2]), int(getattr(image_processor, "merge_size", 1)))
+
+    def images(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """``pixel_values`` [patches, channels × temporal × patch²] and ``image_grid_thw`` [images, 3]."""
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # noqa: BLE001 - jinja2 errors and raise_exception() in templates
+            raise EncodeError(f"chat template failed: {e}") from None
+
+    def encode(
+        self, messages: Sequence[dict[str, str]], grid_thw: torch.Tensor | None
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and labels (-100 outside assistant turns) for a conversation whose images have the
+        given grids (in placeholder order)."""
+        counts = [] if grid_thw is None else [int(g.prod()) // self.merge_size**2 for g in grid_thw]
+        found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if found != len(counts):
+            raise EncodeError(
+                f"the conversation has {found} {IMAGE_PLACEHOLDER} placeholders but {len(counts)} images"
+            )
+        expanded, k = [], 0
+        for m in messages:
+            parts = m["content"].split(IMAGE_PLACEHOLDER)
+            text = parts[0]
+            for part in parts[1:]:
+                text += VISION_START + IMAGE_PAD * counts[k] + VISION_END + part
+                k += 1
+            expanded.append({"role": m["role"], "content": text})
+        full = self._render(expanded, add_generation_prompt=False)
+        spans = []
+        for i, m in enumerate(expanded):
+            if m["role"] != "assistant":
+                continue
+            prefix = self._render(expanded[:i], add_generation_prompt=True)
+            upto = self._render(expanded[: i + 1], add_generation_prompt=False)
+            if not (upto.startswith(prefix) and full.startswith(upto)):
+                raise EncodeError(
+                    f"the chat template does not render turn {i} as a continuation of the turns before it, "
+                    "so the assistant tokens cannot be located"
+                )
+            spans.append((len(prefix), len(upto.rstrip())))
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = [int(t) for t in enc["input_ids"]]
+        labels = [
+            t if any(lo <= start < hi for lo, hi in spans) and t != self.image_token_id else IGNORE_INDEX
+            for t, (start, _end) in zip(ids, enc["offset_mapping"])
+        ]
+        if sum(t == self.image_token_id for t in ids) != sum(counts):
+            raise EncodeError("the tokenizer did not keep every image token whole")
+        return ids, labels

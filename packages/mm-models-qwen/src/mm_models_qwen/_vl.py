@@ -1,0 +1,50 @@
+"""Shared by the Qwen vision-language models in mm: per-tower default plans, the idle-vision-tower rule."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from mm_core.models import ModelPlans
+
+#: ``model.freeze`` patterns for the parts users commonly freeze (see the package README)
+VISION_TOWER = "model.visual"
+PROJECTOR = "model.visual.merger"
+
+
+class QwenVLPlans(ModelPlans):
+    """Vision blocks and language layers are separate FSDP (and recompute) units; the patch embedding,
+    projector, embeddings and head stay in the root unit. A mixin in front of a transformers
+    ``*ForConditionalGeneration`` class, so weights, names and exports are exactly those of transformers."""
+
+    mm_fsdp_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    mm_recompute_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    mm_muon_exclude_modules: ClassVar[list[str]] = ["model.visual.patch_embed"]
+
+    def _idle_vision_tower(self) -> torch.Tensor:
+        """Run the vision tower on a blank minimal image and return 0 × its outputs.
+
+        Under FSDP every rank must run the same units each step; a micro-batch without images would
+        otherwise skip the vision blocks' all-gathers on one rank while another rank waits in them."""
+        visual = self.model.visual  # type: ignore[attr-defined]
+        cfg = visual.config
+        merge = cfg.spatial_merge_size
+        dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        weight = visual.patch_embed.proj.weight
+        pixels = torch.zeros(merge * merge, dim, dtype=weight.dtype, device=weight.device)
+        grid = torch.tensor([[1, merge, merge]], device=weight.device)
+        out = visual(pixels, grid_thw=grid)
+        total = out.pooler_output.sum()
+        for feature in getattr(out, "deepstack_features", None) or []:
+            total = total + feature.sum()
+        return total * 0.0
+
+    def forward(self, *args: Any, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        idle = None
+        if self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
+        out = super().forward(*args, pixel_values=pixel_values, **kwargs)  # type: ignore[misc]
+        if idle is not None:
+            out.logits = out.logits + idle
+        return out

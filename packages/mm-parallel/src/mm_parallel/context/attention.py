@@ -1,0 +1,48 @@
+"""Context-parallel attention: Ulysses all-to-all (optional) around ring attention (optional)."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_parallel.context.layout import SequenceLayout
+from mm_parallel.context.ring import ring_attention
+from mm_parallel.context.ulysses import heads_to_seq, kv_repeats, seq_to_heads
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SequenceLayout,
+    scale: float | None = None,
+    tile: int = 1024,
+) -> torch.Tensor:
+    """Attention of this rank's tokens over the whole (sharded) sequence.
+
+    ``q``: ``[batch, heads, local_len, dim]``; ``k``, ``v``: ``[batch, kv_heads, local_len, dim]`` with
+    ``heads % kv_heads == 0`` (grouped-query attention), the local tokens being ``layout.local_index()``.
+    Returns ``[batch, local_len, heads, dim]`` (the layout transformers' attention functions return).
+    Causal within segments, as described by ``layout``."""
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} must be a multiple of key/value heads {kv_heads}")
+    scale = dim**-0.5 if scale is None else scale
+    size = layout.ulysses_size
+    if size > 1:
+        if layout.ulysses_group is None:
+            raise ValueError(f"Ulysses size {size} needs the Ulysses process group in SequenceLayout")
+        rep = kv_repeats(heads, kv_heads, size)
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        q = seq_to_heads(q, layout.ulysses_group, size)
+        k = seq_to_heads(k, layout.ulysses_group, size)
+        v = seq_to_heads(v, layout.ulysses_group, size)
+    local_heads, local_kv = q.shape[1], k.shape[1]
+    n = q.shape[2]
+    out = ring_attention(q.reshape(b, local_kv, local_heads // local_kv, n, dim), k, v, layout, scale, tile)
+    out = out.reshape(b, local_heads, n, dim)
+    if size > 1:
+        out = heads_to_seq(out, layout.ulysses_group, size)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,94 @@
+"""The activation part of ``mm check``'s memory estimate counts what autograd really keeps, and the memory
+plans fail with errors that name the YAML key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _mm import QUICKSTART, REPO
+from torch.autograd.graph import saved_tensors_hooks
+
+from mm_core.config.loader import load_config
+from mm_core.errors import ConfigError
+from mm_core.memory import plan_memory_features
+from mm_core.memory_estimate import estimate_activations
+from mm_core.models.hub import ModelHub
+from mm_core.train.loss import loss_sum, shift_labels
+
+SEQ, MICRO = 64, 2
+
+
+def _cfg(*overrides: str):
+    os.chdir(REPO)
+    return load_config(
+        QUICKSTART,
+        [
+            f"data.dataset_param.basic_parameters.seq_len={SEQ}",
+            f"training.micro_batch_size={MICRO}",
+            *overrides,
+        ],
+    )
+
+
+def test_activation_estimate_equals_saved_tensors():
+    cfg = _cfg()
+    torch.manual_seed(0)
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (MICRO, SEQ))
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        loss_sum(out.logits, shift_labels(ids), "per_token_loss")
+    measured = sum(saved.values())
+    estimated, transient = estimate_activations(model, cfg, [], [])
+    # the estimate leaves out only per-token scalars (RMSNorm's rsqrt, token ids): under 1%
+    assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+    assert transient > 0
+
+    meta = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    layers = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    full, _ = estimate_activations(meta, cfg, layers, [])
+    sel, _ = estimate_activations(
+        meta, _cfg("model.recompute_plan.recompute_granularity=selective"), layers, []
+    )
+    assert full < sel < 0.5 * estimated
+
+
+def test_memory_plans_resolve_defaults_and_refuse_bad_values():
+    cfg = _cfg("model.recompute=true")
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    feats = plan_memory_features(model, cfg)
+    assert feats.recompute == [f"model.layers.{i}" for i in range(4)] and feats.recompute_mode == "full"
+    with pytest.raises(ConfigError, match=r"model\.recompute_plan\.use_reentrant: got true"):
+        plan_memory_features(model, _cfg("model.recompute=true", "model.recompute_plan.use_reentrant=true"))
+    with pytest.raises(
+        ConfigError, match=r"model\.recompute_plan\.apply_modules: pattern 'model\.layer\.\{\*\}'"
+    ):
+        plan_memory_features(
+            model, _cfg("model.recompute=true", "model.recompute_plan.apply_modules=[model.layer.{*}]")
+        )
+    bad_op = _cfg("model.recompute=true", "model.recompute_plan.recompute_granularity=selective",
+                  "model.recompute_plan.save_ops=[softmax]")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model\.recompute_plan\.save_ops: unknown op 'softmax'"):
+        plan_memory_features(model, bad_op)
+    both = _cfg("model.recompute=true", "model.activation_offload=true")
+    with pytest.raises(ConfigError, match="either recomputed or offloaded"):
+        plan_memory_features(model, both)
+    split = _cfg(
+        "model.recompute=true",
+        "model.recompute_plan.apply_modules=[model.layers.{0-1}]",
+        "model.activation_offload=true",
+        "model.activation_offload_plan.apply_modules=[model.layers.{2-3}]",
+    )
+    feats = plan_memory_features(model, split)
+    assert feats.offload == ["model.layers.2", "model.layers.3"]

@@ -1,0 +1,66 @@
+"""Qwen3-VL with images trains the same model on 2 FSDP ranks as in 1 process: gloo, fp32, 10 steps, images
+of different sizes and 0-2 images per sample. Losses and gradient norms agree within 1e-5 relative."""
+
+from __future__ import annotations
+
+import pytest
+from _mm import assert_close_series, mm, read_metrics
+from _vlm import make_assets
+
+STEPS = 10
+LAYOUTS = [
+    ("single", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]),
+    ("fsdp2", 2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
+]
+ULYSSES = [
+    "training.micro_batch_size=4",
+    "training.gradient_accumulation_steps=2",
+    "parallel.ulysses_parallel_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cfg = make_assets(tmp_path_factory.mktemp("vlm_assets"))
+    out = {"cfg": cfg}
+    for name, nproc, extra in LAYOUTS:
+        d = tmp_path_factory.mktemp(name)
+        mm("train", str(cfg), *extra, f"training.output_dir={d}", "--nproc-per-node", str(nproc), timeout=120)
+        out[name] = read_metrics(d)
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_with_images_matches_single_process(runs):
+    ref, got = runs["single"], runs["fsdp2"]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_close_series([r["loss"] for r in ref], [r["loss"] for r in got], 1e-5, "fsdp2 loss")
+    assert_close_series([r["grad_norm"] for r in ref], [r["grad_norm"] for r in got], 1e-5, "fsdp2 grad_norm")
+    assert [r["tokens"] for r in ref] == [r["tokens"] for r in got]
+
+
+@pytest.mark.slow
+def test_loss_falls(runs):
+    losses = [r["loss"] for r in runs["single"]]
+    assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True, reason="context parallelism is in progress: mm train with ulysses 2 exits 1 here"
+)
+def test_ulysses2_with_images_matches_single_process(runs, tmp_path):
+    mm(
+        "train",
+        str(runs["cfg"]),
+        *ULYSSES,
+        f"training.output_dir={tmp_path}",
+        "--nproc-per-node",
+        "2",
+        timeout=120,
+    )
+    ref, got = runs["single"], read_metrics(tmp_path)
+    assert_close_series([r["loss"] for r in ref], [r["loss"] for r in got], 1e-5, "ulysses2 loss")
+    assert_close_series(
+        [r["grad_norm"] for r in ref], [r["grad_norm"] for r in got], 1e-5, "ulysses2 grad_norm"
+    )
