@@ -178,12 +178,13 @@ def _fsdp_experts(rank, world, ep):
     assert ad.gate_up_proj.device_mesh.mesh_dim_names == ("efsdp", "ep")
     x, idx, w = inputs[rank]
     out = ad(x, idx, w)
-    # the trainer's convention: every rank's loss is multiplied by the number of ranks FSDP averages over
+    # the trainer's convention: every rank's loss is multiplied by the number of ranks FSDP averages over.
+    # (A wrong divide factor is off by a factor of ep or more; the tolerance only absorbs summation order.)
     (out.square().sum() * world).backward()
     ref_gu, ref_dn = gate_up.clone().requires_grad_(True), down.clone().requires_grad_(True)
     sum(reference_experts(*inp, ref_gu, ref_dn).square().sum() for inp in inputs).backward()
-    torch.testing.assert_close(ad.gate_up_proj.grad.full_tensor(), ref_gu.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ad.down_proj.grad.full_tensor(), ref_dn.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ad.gate_up_proj.grad.full_tensor(), ref_gu.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ad.down_proj.grad.full_tensor(), ref_dn.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -51,6 +51,10 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     optimizer_register.get(cfg.training.optimizer)
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     frozen = apply_freeze(model, cfg.model.freeze)
+    if sizes.cp > 1:  # the same model checks the trainer makes for context parallelism
+        from mm_core.context_parallel import use_context_parallel_attention
+
+        use_context_parallel_attention(model, cfg, sizes)
     patterns, source = fsdp_patterns(model, cfg)
     matched = resolve_patterns(model, patterns, source)
     if cfg.parallel.fsdp_plan.ignored_modules:
