@@ -123,8 +123,11 @@ def test_refuses_raw_loss_and_unsupported_models():
     def stand_in(config):
         return SimpleNamespace(config=config, set_attn_implementation=lambda name: None)
 
-    with pytest.raises(ConfigError, match="model.loss_cfg.loss_type: got 'raw'"):
-        use_context_parallel_attention(stand_in(Qwen3Config()), _cfg("raw"), _sizes(ring_attention_size=2))
+    for loss_type in ("raw", "per_sample_loss"):
+        with pytest.raises(ConfigError, match=f"model.loss_cfg.loss_type: got '{loss_type}'"):
+            use_context_parallel_attention(
+                stand_in(Qwen3Config()), _cfg(loss_type), _sizes(ring_attention_size=2)
+            )
     with pytest.raises(ConfigError, match=r"parallel.ulysses_parallel_size: .*linear_attention"):
         use_context_parallel_attention(
             stand_in(Qwen3_5MoeTextConfig()), _cfg(), _sizes(ulysses_parallel_size=2)

@@ -84,10 +84,12 @@ def register_attention() -> str:
 def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> None:
     """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention."""
     key = "ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size"
-    if cfg.model.loss_cfg.loss_type == "raw":
+    loss_type = cfg.model.loss_cfg.loss_type
+    if loss_type != "per_token_loss":
         raise ConfigError(
-            f"model.loss_cfg.loss_type: got 'raw'; with parallel.{key} > 1 each rank holds part of every "
-            "sequence, so the model's own .loss cannot be used; use per_token_loss or per_sample_loss"
+            f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 each rank holds part of "
+            "every sequence, so neither the model's own .loss (raw) nor a per-sample mean (per_sample_loss) "
+            "can be formed on one rank; use per_token_loss"
         )
     config = getattr(model, "config", None)
     if not hasattr(model, "set_attn_implementation") or config is None:

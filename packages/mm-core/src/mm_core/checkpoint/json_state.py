@@ -1,7 +1,7 @@
 """Keep pickle out of checkpoints: tensors stay tensors, every other value becomes JSON in a uint8 tensor.
 
-DCP writes any non-tensor value of a state dict with ``torch.save`` and reads it back with
-``torch.load`` with ``weights_only=False`` — a pickle. Optimizer ``param_groups`` (learning rates, betas, names) and
+DCP writes any non-tensor value of a state dict with ``torch.save`` and reads it back with ``torch.load``
+with ``weights_only=False`` — a pickle. Optimizer ``param_groups`` (learning rates, betas, names) and
 LR-scheduler state are such values. :class:`JsonTensorState` wraps a ``Stateful`` so that DCP only ever sees
 tensors: the tensor leaves (sharded DTensors included, so they still reshard) and one ``json`` tensor holding
 the rest of the structure.

@@ -192,7 +192,7 @@ class Trainer:
         shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.state.device, self.float_dtype)
-        if loss_type == "raw":  # (refused with context parallel: ContextParallel.build)
+        if loss_type == "raw":  # (context parallel refuses raw: see mm_core.context_parallel)
             mask = batch.get("attention_mask")
             return batch, None, 0.0, int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         if "labels" not in batch:
