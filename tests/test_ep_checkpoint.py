@@ -48,7 +48,7 @@ def _logits(cfg: Path, tmp: Path, name: str, nproc: int, overrides: list[str]) -
     cmd += [__file__, str(cfg), str(out), *COMMON, *overrides, f"training.output_dir={tmp / name}"]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 def test_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):

@@ -45,7 +45,7 @@ def test_lora_trains_adapters_only_and_merges(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(ckpt / "step_12", tmp_path / "ckpt.pt")
-    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
     adapters = [k for k in saved if ".lora_" in k]
     assert adapters, "no adapter weights in the checkpoint"
     for k, v in saved.items():
