@@ -64,3 +64,71 @@ def test_lora_trains_adapters_only_and_merges(tmp_path):
     torch.testing.assert_close(
         merged["model.layers.0.mlp.down_proj.weight"], base["model.layers.0.mlp.down_proj.weight"]
     )
+
+
+def test_adapters_only_checkpoints_resume_and_merge(tmp_path):
+    """``training.lora.save_adapters_only``: the checkpoint's model part is the adapters alone; resuming from
+    it continues the run exactly (base weights come from model_name_or_path), and dcp-to-hf still merges."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    Qwen3ForCausalLM(AutoConfig.from_pretrained(QUICKSTART.parent / "model")).save_pretrained(base_dir)
+    base = load_file(base_dir / "model.safetensors")
+    common = [
+        f"model.model_name_or_path={base_dir}",
+        "model.from_scratch=false",
+        "training.lora.enable=true",
+        "training.lora.save_adapters_only=true",
+        "training.lora.target_modules=[q_proj,v_proj]",
+        "training.lr=1e-2",
+        "training.train_iters=8",
+        "training.lr_warmup_ratio=0",
+        "training.log_interval=1",
+        "training.progress_bar=false",
+        "tools.tensorboard.enable=false",
+        "training.micro_batch_size=2",
+        "data.dataset_param.basic_parameters.seq_len=64",
+        "--nproc-per-node",
+        "2",
+    ]
+    ckpt = tmp_path / "ckpt"
+    mm(
+        "train",
+        str(QUICKSTART),
+        *common,
+        f"training.save={ckpt}",
+        "training.save_interval=4",
+        f"training.output_dir={tmp_path / 'straight'}",
+        timeout=180,
+    )
+    keys = set(FileSystemReader(str(ckpt / "step_4")).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all(".lora_" in k for k in model_keys), sorted(model_keys)[:5]
+
+    mm(
+        "train",
+        str(QUICKSTART),
+        *common,
+        "training.save=null",
+        f"training.load={ckpt / 'step_4'}",
+        f"training.output_dir={tmp_path / 'resumed'}",
+        timeout=180,
+    )
+    straight = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight")}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed")}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[s] == straight[s] for s in resumed), (resumed, straight)
+
+    mm("convert", "dcp-to-hf", str(ckpt), str(tmp_path / "hf"))
+    merged = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt / "step_8", tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    a = saved["model.layers.1.self_attn.v_proj.lora_A.default.weight"]
+    b = saved["model.layers.1.self_attn.v_proj.lora_B.default.weight"]
+    expect = base["model.layers.1.self_attn.v_proj.weight"] + (16 / 8) * b @ a
+    torch.testing.assert_close(merged["model.layers.1.self_attn.v_proj.weight"], expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])

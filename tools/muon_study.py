@@ -64,7 +64,11 @@ def steps_to_reach(values: list[float], target: float, window: int) -> int | Non
 def train(run: Run, args: argparse.Namespace) -> Run:
     out = args.out / run.name
     cmd = [
-        sys.executable, "-m", "mm_core.cli", "train", str(QUICKSTART),
+        sys.executable,
+        "-m",
+        "mm_core.cli",
+        "train",
+        str(QUICKSTART),
         f"data.dataset_param.basic_parameters.seq_len={args.seq_len}",
         f"training.micro_batch_size={args.batch // args.nproc}",
         "training.gradient_accumulation_steps=1",
@@ -78,7 +82,8 @@ def train(run: Run, args: argparse.Namespace) -> Run:
         f"training.output_dir={out}",
         f"training.optimizer={run.optimizer}",
         *run.overrides,
-        "--nproc-per-node", str(args.nproc),
+        "--nproc-per-node",
+        str(args.nproc),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -180,8 +185,10 @@ def main() -> None:
         print(f"| {r.label} | {smooth(r.losses, args.window)[-1]:.4f} | {r.seconds:.0f} s |")
     where = f"step {reach} of {args.steps}" if reach else f"not within {args.steps} steps"
     print(f"\nbest AdamW: {best_adamw.label}, final smoothed loss {target:.4f}")
-    print(f"best Muon : {best_muon.label}, final {smooth(best_muon.losses, args.window)[-1]:.4f}; "
-          f"reaches {target:.4f} at {where}")
+    print(
+        f"best Muon : {best_muon.label}, final {smooth(best_muon.losses, args.window)[-1]:.4f}; "
+        f"reaches {target:.4f} at {where}"
+    )
     print(f"wall time: {summary['wall_s'] / 60:.1f} min")
 
 

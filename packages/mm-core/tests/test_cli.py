@@ -176,7 +176,9 @@ def test_check_good_config_prints_the_plan(runs: dict, tiny_qwen_dir: Path) -> N
     )
     assert re.search(r"^fsdp units\s*: from parallel\.fsdp_plan\.apply_modules$", out, re.M), out
     assert re.search(r"^\s+model\.layers\.\{\*\}\s+-> model\.layers\.0, model\.layers\.1$", out, re.M), out
-    assert re.search(r"^memory/rank : [0-9.]+ GiB estimated peak = model states \(params [0-9.]+, grads", out, re.M), out
+    assert re.search(
+        r"^memory/rank : [0-9.]+ GiB estimated peak = model states \(params [0-9.]+, grads", out, re.M
+    ), out
     assert re.search(r"^batch\s*: micro 2 x accumulation 1 x dp 2 = 4 samples per step$", out, re.M), out
     assert not (runs["check_fsdp"][1] / "out").exists(), "mm check must not train or write outputs"
 

@@ -1,7 +1,7 @@
 import pytest
 
-from mm_core.errors import ConfigError
 from mm_core.data.params import BASIC, optional_positive_int, positive_int, read_params, string
+from mm_core.errors import ConfigError
 
 FIELDS = {"seq_len": positive_int(), "text_key": string("text"), "pad": optional_positive_int()}
 

@@ -15,10 +15,12 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mm_core.checkpoint import CONFIG_FILE, resolve_load_path
+from mm_core.checkpoint.dcp_io import checkpoint_keys, tied_aliases
 from mm_core.checkpoint.layout import is_checkpoint
 from mm_core.config import validate_config
 from mm_core.errors import CheckpointError
-from mm_core.models.hub import ModelHub
+from mm_core.lora import is_adapter_key
+from mm_core.models.hub import ModelHub, has_weights
 from mm_core.registry import import_plugins
 
 _TOKENIZER_FILES = (
@@ -97,19 +99,40 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
 
     cfg = validate_config(yaml.safe_load(cfg_file.read_text(encoding="utf-8")), source=str(cfg_file))
     import_plugins(cfg.training.plugin)
-    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
-    model.to_empty(device="cpu")
+    stored = {k[len("model.") :] for k in checkpoint_keys(path) if k.startswith("model.")}
+    adapters_only = bool(stored) and all(is_adapter_key(k) for k in stored)
+    if adapters_only:
+        # the base weights are not in the checkpoint: read them from the folder the run started from
+        base = cfg.model.model_name_or_path
+        if not (base and has_weights(base)):
+            raise CheckpointError(
+                f"mm convert dcp-to-hf: {path} holds LoRA adapters only and its base model "
+                f"(model.model_name_or_path: {base!r}) has no *.safetensors weights here"
+            )
+        model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": False}))
+    else:
+        model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+        model.to_empty(device="cpu")
     if cfg.training.lora.enable:
         from mm_core.lora import apply_lora
 
         apply_lora(model, cfg.training.lora)
-    with torch.no_grad():
-        model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
-    state = {"model": model.state_dict()}
-    dcp.load(
-        state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True
-    )
-    model.load_state_dict(state["model"])
+    if not adapters_only:
+        with torch.no_grad():
+            model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
+    expected = model.state_dict()
+    aliases = {n for names in tied_aliases(model) for n in names[1:]}
+    missing = sorted(k for k in expected if k not in stored and k not in aliases)
+    if adapters_only:
+        missing = [k for k in missing if is_adapter_key(k)]
+    if missing:
+        raise CheckpointError(
+            f"mm convert dcp-to-hf: {path} lacks {len(missing)} model tensors ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}); the export would contain untrained values"
+        )
+    state = {"model": {k: v for k, v in expected.items() if k in stored}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(state["model"], strict=False)
     if cfg.training.lora.enable:
         from mm_core.lora import merge_lora
 

@@ -21,6 +21,18 @@ def _peft():
     return peft
 
 
+def check_lora_settings(cfg: LoraConfig, from_scratch: bool, has_base_weights: bool) -> None:
+    """Settings that cannot work together, named by key."""
+    if cfg.save_adapters_only and not cfg.enable:
+        raise ConfigError("training.lora.save_adapters_only: true needs training.lora.enable: true")
+    if cfg.enable and cfg.save_adapters_only and (from_scratch or not has_base_weights):
+        raise ConfigError(
+            "training.lora.save_adapters_only: true needs base weights that can be found again: set "
+            "model.model_name_or_path to a folder with *.safetensors and model.from_scratch: false "
+            "(an adapters-only checkpoint of a randomly initialised model could never be restored)"
+        )
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Inject LoRA adapters into the modules named by ``cfg.target_modules`` and freeze everything else.
     Returns the names of the adapted modules. Call after ``model.freeze`` and before FSDP."""

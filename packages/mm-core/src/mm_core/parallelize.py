@@ -13,8 +13,9 @@ from torch import nn
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
 from mm_core.expert_parallel import apply_expert_parallel
+from mm_core.lora import apply_lora, check_lora_settings
 from mm_core.memory import apply_memory_features, apply_prefetch
-from mm_core.models.hub import model_plans
+from mm_core.models.hub import has_weights, model_plans
 from mm_core.parallel_state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.patterns import PatternError, match_modules, select_modules
@@ -88,9 +89,9 @@ def select_modules_checked(model: nn.Module, patterns: list[str], key: str) -> l
 def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Module:
     """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root. With
     ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them."""
+    path = cfg.model.model_name_or_path
+    check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path) and has_weights(path))
     if cfg.training.lora.enable:
-        from mm_core.lora import apply_lora
-
         apply_lora(model, cfg.training.lora)
     plan = cfg.parallel.fsdp_plan
     mp = mixed_precision_policy(

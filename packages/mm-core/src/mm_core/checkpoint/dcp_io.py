@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from mm_core.checkpoint import layout
 from mm_core.checkpoint.json_state import JsonTensorState
 from mm_core.checkpoint.rng import RNGState
 from mm_core.errors import CheckpointError
+from mm_core.lora import is_adapter_key
 
 CONFIG_FILE = "mm_config.yaml"
 
@@ -32,15 +34,20 @@ class ModelState:
     """The model's (sharded) state dict, with fully qualified names that match the unwrapped model.
 
     ``skip`` names keys to leave out when loading: aliases of tied parameters that a checkpoint stores
-    only once (e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight`` in a Hugging Face export)."""
+    only once (e.g. ``lm_head.weight`` tied to ``model.embed_tokens.weight`` in a Hugging Face export), or
+    base weights an adapters-only checkpoint does not hold. ``keep``, when given, selects the keys to save
+    (e.g. only LoRA adapters)."""
 
-    def __init__(self, model: nn.Module, skip: set[str] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, skip: set[str] | None = None, keep: Callable[[str], bool] | None = None
+    ) -> None:
         self.model = model
         self.skip = skip or set()
+        self.keep = keep
 
     def state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
-        return {k: v for k, v in state.items() if k not in self.skip}
+        return {k: v for k, v in state.items() if k not in self.skip and (self.keep is None or self.keep(k))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
@@ -88,6 +95,7 @@ class TrainingState:
     progress: TrainProgress = field(default_factory=TrainProgress)
     data: Any = None  # a Stateful with tensor-only state, e.g. mm_core.data.EpochIterator
     rng: RNGState | None = None
+    adapters_only: bool = False  # model part holds LoRA adapters only (training.lora.save_adapters_only)
 
 
 def _rank() -> int:
@@ -109,7 +117,8 @@ def rng_key(rank: int) -> str:
 
 def _states(ts: TrainingState, *, optim: bool, rng: bool) -> dict[str, Any]:
     """The DCP state dict: Stateful objects whose state is made of tensors only (see json_state)."""
-    states: dict[str, Any] = {"model": ModelState(ts.model), "progress": ts.progress}
+    keep = is_adapter_key if ts.adapters_only else None
+    states: dict[str, Any] = {"model": ModelState(ts.model, keep=keep), "progress": ts.progress}
     if optim and ts.optimizer is not None:
         states["optimizer"] = JsonTensorState(OptimizerState(ts.model, ts.optimizer))
     if ts.scheduler is not None:
@@ -186,6 +195,9 @@ def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list
     for names in tied_aliases(ts.model):
         if any(n in stored for n in names):
             skip.update(n for n in names if n not in stored)
+    if stored and all(is_adapter_key(k) for k in stored):
+        # an adapters-only checkpoint: the base weights come from model.model_name_or_path
+        skip.update(k for k in expected if not is_adapter_key(k))
     missing, unexpected = sorted(expected - stored - skip), sorted(stored - expected)
     if strict and (missing or unexpected):
 

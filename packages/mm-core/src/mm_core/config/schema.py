@@ -168,6 +168,8 @@ class LoraConfig(Block):
     alpha: float = 16.0
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=list)
+    #: checkpoints hold only the adapter weights (the base weights come from model.model_name_or_path)
+    save_adapters_only: bool = False
 
 
 class MuonConfig(Block):

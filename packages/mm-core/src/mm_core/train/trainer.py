@@ -104,6 +104,7 @@ class Trainer:
             progress=self.progress,
             data=self.batches,
             rng=RNGState(self.state.device, tcfg.seed),
+            adapters_only=tcfg.lora.enable and tcfg.lora.save_adapters_only,
         )
         self.saver = (
             CheckpointSaver(
