@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AttentionInterface, Qwen3_5MoeTextConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AttentionInterface,
+    Qwen3_5MoeTextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3VLConfig,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mm_core.config.schema import ParallelConfig
@@ -20,11 +26,13 @@ from mm_core.context_parallel import (
     LAYOUT_KWARG,
     ContextParallel,
     context_parallel_attention_forward,
+    shard_module_inputs,
     use_context_parallel_attention,
 )
 from mm_core.errors import ConfigError
 from mm_core.parallel_state import init_parallel_state, resolve_sizes
 from mm_core.train.loss import IGNORE_INDEX, count_units, shift_labels
+from mm_parallel.context import SequenceLayout
 
 
 def _split_worker(rank: int, world: int, init_file: str, ring: int, ulysses: int) -> None:
@@ -89,6 +97,45 @@ def test_shard_reassembles_to_the_padded_batch(ring, ulysses):
         )
 
 
+@pytest.mark.parametrize(("ring", "ulysses"), [(1, 2), (2, 1), (2, 2)])
+def test_split_module_inputs_reassemble(ring, ulysses):
+    """The inputs of a vision-language model's split point (embeddings, 3-D positions, masks, deepstack
+    rows packed by the image-token mask) cut per rank and put back together give the whole inputs; each
+    deepstack row goes to the rank holding its image token, in that rank's token order."""
+    g = torch.Generator().manual_seed(0)
+    b, n, h = 2, 16, 3
+    segments = torch.zeros(b, n, dtype=torch.long)
+    segments[1, 12:] = -1
+    visual = torch.rand(b, n, generator=g) < 0.4
+    full = {
+        "inputs_embeds": torch.randn(b, n, h, generator=g),
+        "position_ids": torch.randint(0, 50, (3, b, n), generator=g),
+        "attention_mask": (segments >= 0).long(),
+        "visual_pos_masks": visual,
+        "deepstack_visual_embeds": [torch.randn(int(visual.sum()), h, generator=g) for _ in range(2)],
+        "cache_position": torch.arange(n),
+        "use_cache": False,
+    }
+    number = torch.full((b, n), -1, dtype=torch.long)  # row of each image token in the packed features
+    number[visual] = torch.arange(int(visual.sum()))
+    back = {k: torch.zeros_like(v) for k, v in full.items() if isinstance(v, torch.Tensor)}
+    for r in range(ring):
+        for u in range(ulysses):
+            layout = SequenceLayout(segments, ring, r, ulysses, u)
+            index = layout.local_index()
+            local = shard_module_inputs(full, layout, {"deepstack_visual_embeds": "visual_pos_masks"})
+            assert local["use_cache"] is False and local["inputs_embeds"].shape[1] == n // (ring * ulysses)
+            for k in ("inputs_embeds", "attention_mask", "visual_pos_masks"):
+                back[k].index_copy_(1, index, local[k])
+            back["position_ids"][:, :, index] = local["position_ids"]
+            back["cache_position"][index] = local["cache_position"]
+            want = layout.shard(number)[local["visual_pos_masks"]]
+            for mine, whole in zip(local["deepstack_visual_embeds"], full["deepstack_visual_embeds"]):
+                assert torch.equal(mine, whole[want])
+    for k, v in back.items():
+        assert torch.equal(v, full[k]), k
+
+
 def _sizes(**parallel):
     return resolve_sizes(ParallelConfig(**parallel), 2)
 
@@ -137,3 +184,35 @@ def test_refuses_raw_loss_and_unsupported_models():
         use_context_parallel_attention(stand_in(odd), _cfg(), _sizes(ulysses_parallel_size=2))
     with pytest.raises(ConfigError, match="did not accept the attention implementation"):
         use_context_parallel_attention(stand_in(Qwen3Config()), _cfg(), _sizes(ring_attention_size=2))
+    # a model with a vision tower needs its class to name the split point (mm_context_parallel_module)
+    with pytest.raises(ConfigError, match=r"sub-models \['vision_config'\].*mm_context_parallel_module"):
+        use_context_parallel_attention(stand_in(Qwen3VLConfig()), _cfg(), _sizes(ulysses_parallel_size=2))
+
+
+def test_vision_language_model_switches_only_its_language_model():
+    from mm_models_qwen.qwen3_vl import Qwen3VLForTraining
+
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": 32,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 16,
+            "deepstack_visual_indexes": [],
+        },
+    )
+    model = Qwen3VLForTraining(config)
+    vision = model.config.vision_config._attn_implementation
+    use_context_parallel_attention(model, _cfg(), _sizes(ulysses_parallel_size=2))
+    assert model.config.text_config._attn_implementation == ATTENTION_NAME
+    assert model.config.vision_config._attn_implementation == vision != ATTENTION_NAME

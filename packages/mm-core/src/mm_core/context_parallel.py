@@ -10,10 +10,15 @@
   sequence first, the sequence is padded to a multiple of the layout (padding is never attended to and
   its targets are -100, so the loss does not change), and every sequence-shaped field is cut to this rank's
   tokens. The layout travels to every attention layer as the keyword argument :data:`LAYOUT_KWARG`.
+- Models with other towers (vision-language) name in ``mm_context_parallel_module`` the module whose inputs
+  are the whole sequence once the image features are merged and the (3-D) positions computed, e.g. the
+  language model. Their batch is only padded, so the towers and the position ids see the whole sequence;
+  a forward pre-hook on that module (:func:`shard_module_inputs`) cuts its inputs to this rank's tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,11 +105,14 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
     towers = [name for name in getattr(config, "sub_configs", {}) if name != "text_config"]
     text = getattr(config, "text_config", None) or config
     kinds = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]) - {"full_attention"})
-    if towers or kinds:
-        what = f"sub-models {towers}" if towers else f"layers of type {kinds}"
+    split_at = getattr(model, "mm_context_parallel_module", None)
+    if (towers and not split_at) or kinds:
+        what = f"layers of type {kinds}" if kinds else f"sub-models {towers}"
         raise ConfigError(
-            f"parallel.{key}: model {cfg.model.model_id!r} has {what}; context parallelism supports text "
-            "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe)"
+            f"parallel.{key}: model {cfg.model.model_id!r} has {what}; context parallelism supports "
+            "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe), with other towers "
+            "only when the model class names where to split the sequence (mm_context_parallel_module, "
+            "e.g. qwen3_vl)"
         )
     heads = getattr(text, "num_attention_heads", None)
     if sizes.ulysses > 1 and heads is not None and heads % sizes.ulysses:
@@ -112,18 +120,74 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
             f"parallel.ulysses_parallel_size: got {sizes.ulysses}; it must divide the model's "
             f"num_attention_heads {heads}"
         )
-    model.set_attn_implementation(register_attention())
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+    if towers:  # only the language model: the towers keep their attention over their own inputs
+        model.set_attn_implementation({"text_config": register_attention()})
+    else:
+        model.set_attn_implementation(register_attention())
+    if getattr(text, "_attn_implementation", None) != ATTENTION_NAME:
         raise ConfigError(
             f"parallel.{key}: {type(model).__name__} did not accept the attention implementation "
             f"{ATTENTION_NAME!r} (it does not dispatch attention through transformers' AttentionInterface)"
         )
 
 
-class ContextParallel:
-    """Per-rank context-parallel state: sizes, this rank's ring/Ulysses coordinates and process groups."""
+def shard_module_inputs(
+    kwargs: dict[str, Any], layout: SequenceLayout, packed: dict[str, str]
+) -> dict[str, Any]:
+    """This rank's part of the keyword inputs of a module that sees the whole (padded) sequence.
 
-    def __init__(self, state: ParallelState) -> None:
+    Tensors shaped ``[batch, seq, ...]`` are cut along dim 1, ``[k, batch, seq]`` (multi-axis rotary
+    position ids) along dim 2 and ``[seq]`` (cache positions) along dim 0; ``packed`` inputs (one row per
+    True of the mask input it names, a tensor or a list of them) keep the rows of this rank's tokens."""
+    b, n = layout.segments.shape
+    out: dict[str, Any] = {}
+    for name, mask_name in packed.items():
+        value, mask = kwargs.get(name), kwargs.get(mask_name)
+        if value is None:
+            continue
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, n):
+            raise RuntimeError(
+                f"context parallel: input {name!r} is packed by {mask_name!r}, which must be a [{b}, {n}] "
+                f"mask; got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}"
+            )
+        rows = [layout.shard_rows(mask, v) for v in value] if isinstance(value, list | tuple) else None
+        out[name] = rows if rows is not None else layout.shard_rows(mask, value)
+    for name, value in kwargs.items():
+        if name in out or not isinstance(value, torch.Tensor):
+            out.setdefault(name, value)
+        elif value.dim() >= 2 and tuple(value.shape[:2]) == (b, n):
+            out[name] = layout.shard(value, 1)
+        elif value.dim() == 3 and tuple(value.shape[1:]) == (b, n):
+            out[name] = layout.shard(value, 2)
+        elif value.dim() == 1 and value.shape[0] == n:
+            out[name] = layout.shard(value, 0)
+        else:
+            out[name] = value
+    return out
+
+
+def _split_hook(packed: dict[str, str]) -> Callable[..., tuple[tuple, dict[str, Any]] | None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        layout = kwargs.get(LAYOUT_KWARG)
+        if not isinstance(layout, SequenceLayout):
+            return None  # not a context-parallel forward (e.g. evaluation outside the trainer)
+        if any(isinstance(a, torch.Tensor) for a in args):
+            raise RuntimeError(
+                f"context parallel: {type(module).__name__} was called with positional tensors; the split "
+                "point (mm_context_parallel_module) must receive its inputs as keyword arguments"
+            )
+        return args, shard_module_inputs(kwargs, layout, packed)
+
+    return hook
+
+
+class ContextParallel:
+    """Per-rank context-parallel state: sizes, this rank's ring/Ulysses coordinates and process groups.
+
+    ``split_module`` is None when the batch is split before the model (text decoders), else the module at
+    whose input the sequence is split (see ``ModelPlans.mm_context_parallel_module``)."""
+
+    def __init__(self, state: ParallelState, split_module: nn.Module | None = None) -> None:
         sizes = state.sizes
         self.ring, self.ulysses = sizes.ring, sizes.ulysses
         mesh = state.cp_mesh
@@ -132,6 +196,7 @@ class ContextParallel:
         self.ring_group = mesh["ring"].get_group() if self.ring > 1 else None
         self.ulysses_group = mesh["ulysses"].get_group() if self.ulysses > 1 else None
         self.multiple = pad_multiple(self.ring, self.ulysses)
+        self.split_module = split_module
 
     @classmethod
     def build(cls, model: nn.Module, cfg: MMConfig, state: ParallelState) -> ContextParallel | None:
@@ -139,7 +204,17 @@ class ContextParallel:
         if state.sizes.cp == 1:
             return None
         use_context_parallel_attention(model, cfg, state.sizes)
-        return cls(state)
+        path = getattr(model, "mm_context_parallel_module", None)
+        towers = [name for name in getattr(model.config, "sub_configs", {}) if name != "text_config"]
+        if not towers or not path:
+            return cls(state)
+        try:
+            split_module = model.get_submodule(path)
+        except AttributeError as exc:
+            raise ConfigError(f"mm_context_parallel_module of {type(model).__name__}: {exc}") from None
+        packed = dict(getattr(model, "mm_context_parallel_packed", {}) or {})
+        split_module.register_forward_pre_hook(_split_hook(packed), with_kwargs=True)
+        return cls(state, split_module)
 
     def shard(
         self, batch: dict[str, Any], targets: torch.Tensor | None
@@ -147,7 +222,10 @@ class ContextParallel:
         """This rank's part of a micro-batch whose labels are already shifted into ``targets``.
 
         Returns the local batch (with a local ``attention_mask``: 1 = real token, and the layout under
-        :data:`LAYOUT_KWARG`) and the local targets."""
+        :data:`LAYOUT_KWARG`) and the local targets. With a split module (vision-language models) the batch
+        is only padded to the layout's length, with the whole ``attention_mask`` and without added
+        ``position_ids`` (the model computes its own, over the whole sequence); the split module's pre-hook
+        then cuts the sequence, so the logits cover exactly the local targets."""
         ids = batch["input_ids"]
         b, s = ids.shape
         positions = batch.get("position_ids")
@@ -168,15 +246,23 @@ class ContextParallel:
             self.ring_group,
             self.ulysses_group,
         )
+        cut = (lambda t: t) if self.split_module is not None else layout.shard
         out: dict[str, Any] = {}
         for name, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
-                out[name] = layout.shard(pad_sequence(value, length, 0))
+                out[name] = cut(pad_sequence(value, length, 0))
             else:
                 out[name] = value
-        out["position_ids"] = layout.shard(pad_sequence(positions, length, 0))
-        out["attention_mask"] = (layout.shard(layout.segments) != PAD_SEGMENT).long()
+        if self.split_module is None:
+            out["position_ids"] = layout.shard(pad_sequence(positions, length, 0))
+        out["attention_mask"] = cut(layout.segments != PAD_SEGMENT).long()
         out[LAYOUT_KWARG] = layout
         if targets is not None:
             targets = layout.shard(pad_sequence(targets, length, IGNORE_INDEX))
         return out, targets
+
+    @staticmethod
+    def local_tokens(batch: dict[str, Any]) -> int:
+        """Real (not padding) tokens this rank holds of a batch returned by :meth:`shard`."""
+        layout: SequenceLayout = batch[LAYOUT_KWARG]
+        return int((layout.shard(layout.segments) != PAD_SEGMENT).sum())

@@ -21,6 +21,10 @@ class QwenVLPlans(ModelPlans):
     mm_fsdp_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
     mm_recompute_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
     mm_muon_exclude_modules: ClassVar[list[str]] = ["model.visual.patch_embed"]
+    # context parallelism: the vision tower and the 3-D (mRoPE) positions see the whole sequence; mm splits
+    # it at the language model's input, deepstack features (one row per image token) included
+    mm_context_parallel_module: ClassVar[str | None] = "model.language_model"
+    mm_context_parallel_packed: ClassVar[dict[str, str]] = {"deepstack_visual_embeds": "visual_pos_masks"}
 
     def _idle_vision_tower(self) -> torch.Tensor:
         """Run the vision tower on a blank minimal image and return 0 × its outputs.

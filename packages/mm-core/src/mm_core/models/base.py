@@ -29,6 +29,13 @@ class ModelPlans:
     mm_ep_modules: ClassVar[list[str]] = []
     #: modules whose weights must not take Muon even if 2-D (e.g. routers)
     mm_muon_exclude_modules: ClassVar[list[str]] = []
+    #: context parallelism for models with other towers (vision): the module whose inputs are the whole
+    #: sequence after the towers' features are merged and positions computed (e.g. the language model); mm
+    #: splits the sequence at its input. None: the batch is split before the model (text decoders only).
+    mm_context_parallel_module: ClassVar[str | None] = None
+    #: inputs of that module holding one row per True of a ``[batch, seq]`` mask input (value: the mask's
+    #: name), e.g. features added at the image tokens; mm keeps the rows of this rank's tokens
+    mm_context_parallel_packed: ClassVar[dict[str, str]] = {}
 
 
 class BaseModel(ModelPlans, ABC):

@@ -205,8 +205,10 @@ class Trainer:
         targets = shift_labels(batch.pop("labels"))
         if self.context is not None:  # this rank's part of the sequence; counts below are of that part
             batch, targets = self.context.shard(batch, targets)
-        mask = batch.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            tokens = self.context.local_tokens(batch)
+        else:
+            mask = batch.get("attention_mask")
+            tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         return batch, targets, float(count_units(targets, loss_type)), tokens
 
     def _forward_loss(

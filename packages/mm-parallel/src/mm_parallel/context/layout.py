@@ -95,6 +95,15 @@ class SequenceLayout:
         """This rank's shard of a full-length tensor (the sequence along ``dim``)."""
         return t.index_select(dim, self.local_index().to(t.device))
 
+    def shard_rows(self, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``rows``, a packed tensor with one row per ``True`` of the full-length
+        ``[batch, seq]`` ``mask`` (row-major order, e.g. the features of the image tokens). The result has one
+        row per ``True`` of ``self.shard(mask)``, in the same order."""
+        number = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        number[mask.bool()] = torch.arange(int(mask.sum()), device=mask.device)
+        local = self.shard(number)
+        return rows.index_select(0, local[local >= 0].to(rows.device))
+
 
 def allowed(
     q_index: torch.Tensor, q_seg: torch.Tensor, k_index: torch.Tensor, k_seg: torch.Tensor

@@ -1,0 +1,68 @@
+"""Run several short trainings, one after the other, in the same N gloo processes (one process-group start-up
+for all of them), each from its own config file and overrides.
+
+``run_sequence(n, [(name, config, overrides), ...], out)`` returns, per run, the metrics records of rank 0
+plus ``calls``: how many times the module named by ``COUNTED`` ran its forward on rank 0 (a recomputed
+module runs it again in backward, so this shows recompute really took place). Runs execute in order, so a
+later run may load a checkpoint an earlier one saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+from _mm import REPO
+
+COUNTED = "model.layers.0.self_attn"
+Run = tuple[str, str, list[str]]
+
+
+def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    from mm_core.config.loader import load_config
+    from mm_core.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.chdir(REPO)  # the quickstart's paths are relative to the repository root
+    results = {}
+    try:
+        for name, config, overrides in runs:
+            cfg = load_config(config, [*overrides, f"training.output_dir={out}/{name}"])
+            trainer = Trainer(cfg, config).setup()
+            calls: list[None] = []
+            counted = dict(trainer.model.named_modules())[COUNTED]
+            handle = counted.register_forward_pre_hook(lambda *_, seen=calls: seen.append(None))
+            records = trainer.train()
+            handle.remove()
+            results[name] = {"records": records, "calls": len(calls)}
+        if rank == 0:
+            Path(out, "results.json").write_text(json.dumps(results), encoding="utf-8")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sequence(world: int, runs: list[Run], out: str | Path) -> dict[str, dict]:
+    mp.start_processes(
+        _worker, args=(world, _free_port(), runs, str(out)), nprocs=world, start_method="spawn", join=True
+    )
+    return json.loads(Path(out, "results.json").read_text(encoding="utf-8"))
