@@ -10,6 +10,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from mm_core.data.bpe import write_bytelevel_bpe
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -41,48 +43,9 @@ def build_qwen_vl_processor(
 ) -> Path:
     """Train a byte-level BPE on ``texts`` (with Qwen's vision special tokens) and write it together with a
     ``Qwen2VLImageProcessorPil`` configuration into ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    out = write_bytelevel_bpe(
+        texts, vocab_size, out_dir, special_tokens=SPECIAL_TOKENS, chat_template=CHATML_TEMPLATE
     )
-    tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"), pretty=False)
-    added = {
-        str(tokenizer.token_to_id(tok)): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for tok in SPECIAL_TOKENS
-    }
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "unk_token": None,
-        "model_max_length": 32768,
-        "clean_up_tokenization_spaces": False,
-        "padding_side": "right",
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     image_config = {
         "image_processor_type": "Qwen2VLImageProcessorPil",
         "processor_class": "Qwen3VLProcessor",
