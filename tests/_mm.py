@@ -28,6 +28,27 @@ def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -
     return proc
 
 
+def train_layouts(
+    tmp_path_factory, config: Path, layouts: list[tuple], common: list[str] = (), timeout: float = 600
+) -> dict[str, list[dict]]:
+    """Train ``config`` once per ``(name, processes, overrides)`` layout; the metrics records by name."""
+    out = {}
+    for name, nproc, extra in layouts:
+        d = tmp_path_factory.mktemp(name)
+        mm(
+            "train",
+            str(config),
+            *common,
+            *extra,
+            f"training.output_dir={d}",
+            "--nproc-per-node",
+            str(nproc),
+            timeout=timeout,
+        )
+        out[name] = read_metrics(d)
+    return out
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     lines = (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]

@@ -6,7 +6,7 @@ loss, aux loss and gradient norm agree within 1e-5 relative at every step."""
 from __future__ import annotations
 
 import pytest
-from _mm import assert_close_series, mm, read_metrics
+from _mm import assert_close_series, train_layouts
 from test_ep_parity import moe_config
 
 STEPS = 10
@@ -36,12 +36,7 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cfg = moe_config(tmp_path_factory.mktemp("cfg"))
-    out = {}
-    for name, nproc, extra in LAYOUTS:
-        d = tmp_path_factory.mktemp(name)
-        mm("train", str(cfg), *COMMON, *extra, f"training.output_dir={d}", "--nproc-per-node", str(nproc))
-        out[name] = read_metrics(d)
-    return out
+    return train_layouts(tmp_path_factory, cfg, LAYOUTS, COMMON)
 
 
 def test_ulysses_with_expert_parallel_matches_single_process(runs):

@@ -9,7 +9,7 @@ text has document boundaries inside sequences, so the block-diagonal causal mask
 from __future__ import annotations
 
 import pytest
-from _mm import QUICKSTART, assert_close_series, mm, read_metrics
+from _mm import QUICKSTART, assert_close_series, train_layouts
 
 STEPS = 10
 SEQ = 61
@@ -72,20 +72,7 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for name, nproc, extra in LAYOUTS:
-        d = tmp_path_factory.mktemp(name)
-        mm(
-            "train",
-            str(QUICKSTART),
-            *COMMON,
-            *extra,
-            f"training.output_dir={d}",
-            "--nproc-per-node",
-            str(nproc),
-        )
-        out[name] = read_metrics(d)
-    return out
+    return train_layouts(tmp_path_factory, QUICKSTART, LAYOUTS, COMMON)
 
 
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS[1:]])

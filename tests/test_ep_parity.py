@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from _mm import QUICKSTART, assert_close_series, mm, read_metrics
+from _mm import QUICKSTART, assert_close_series, train_layouts
 
 STEPS = 10
 CLIP = 0.5
@@ -74,12 +74,7 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cfg = moe_config(tmp_path_factory.mktemp("cfg"))
-    out = {}
-    for name, nproc, extra in LAYOUTS:
-        d = tmp_path_factory.mktemp(name)
-        mm("train", str(cfg), *COMMON, *extra, f"training.output_dir={d}", "--nproc-per-node", str(nproc))
-        out[name] = read_metrics(d)
-    return out
+    return train_layouts(tmp_path_factory, cfg, LAYOUTS, COMMON)
 
 
 @pytest.mark.parametrize(

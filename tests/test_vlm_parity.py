@@ -7,7 +7,7 @@ within 1e-5 relative."""
 from __future__ import annotations
 
 import pytest
-from _mm import assert_close_series, mm, read_metrics
+from _mm import assert_close_series, mm, read_metrics, train_layouts
 from _vlm import make_assets
 
 STEPS = 10
@@ -21,12 +21,7 @@ CONTEXT = {"ulysses2": "parallel.ulysses_parallel_size=2", "ring2": "parallel.ri
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cfg = make_assets(tmp_path_factory.mktemp("vlm_assets"))
-    out = {"cfg": cfg}
-    for name, nproc, extra in LAYOUTS:
-        d = tmp_path_factory.mktemp(name)
-        mm("train", str(cfg), *extra, f"training.output_dir={d}", "--nproc-per-node", str(nproc), timeout=120)
-        out[name] = read_metrics(d)
-    return out
+    return {"cfg": cfg, **train_layouts(tmp_path_factory, cfg, LAYOUTS, timeout=120)}
 
 
 @pytest.mark.slow
