@@ -109,3 +109,39 @@ def test_freeze_keeps_frozen_weights(group, tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert "freeze" in (tmp_path / "config.yaml").read_text()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_meta_init_with_load_auto_and_no_checkpoint_initialises(group, tmp_path):
+    """`training.load: auto` before any checkpoint exists is a fresh start: the meta-built model must be
+    initialised, not left waiting for weights that never come."""
+    import math
+
+    from mm_core.train import Trainer
+
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *SMALL,
+            "training.train_iters=1",
+            f"training.output_dir={tmp_path}",
+            "training.init_model_with_meta_device=true",
+            "training.load=auto",
+            f"training.save={tmp_path / 'ckpt'}",
+        ],
+    )
+    trainer = Trainer(cfg).setup()
+    check_initialised(trainer.model)
+    (record,) = trainer.train()
+    assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+
+
+def test_unsupported_dataloader_modes_are_refused():
+    from mm_core.config.support import check_supported
+
+    for override in (
+        "data.dataloader_param.dataloader_mode=base",
+        "data.dataloader_param.sampler_type=Other",
+    ):
+        cfg = load_config(QUICKSTART, [override])
+        with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+            check_supported(cfg)

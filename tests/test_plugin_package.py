@@ -193,6 +193,7 @@ def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_pa
             "log_interval": 1,
             "output_dir": str(out_dir),
             "progress_bar": False,
+            "save": str(tmp_path / "ckpt"),
         },
     }
     path = tmp_path / "tiny_mlp.yaml"
@@ -218,3 +219,12 @@ def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_pa
     assert plugins.returncode == 0, plugins.stderr
     rows = [line.split() for line in plugins.stdout.splitlines()]
     assert ["model", "tiny_mlp", DIST, VERSION, "tiny_mm_plugin.model:TinyLM"] in rows, plugins.stdout
+
+    # a custom (non-transformers) model exports its weights as one safetensors file with its own names
+    export = mm("convert", "dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "export"), cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert any(n.startswith("blocks.0.") for n in names), sorted(names)

@@ -3,6 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Accelerator environment, only where it exists (Ascend CANN toolkit).
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+fi
 [[ -d examples/qwen3vl_digits/build ]] || python examples/qwen3vl_digits/build_data.py
 torchrun --nproc_per_node "${NPROC_PER_NODE:-2}" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29511}" \

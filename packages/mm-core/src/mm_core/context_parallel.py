@@ -90,7 +90,7 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
     """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention."""
     key = "ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size"
     loss_type = cfg.model.loss_cfg.loss_type
-    if loss_type != "per_token_loss":
+    if loss_type not in ("per_token_loss", "default"):  # "default" is per_token_loss
         raise ConfigError(
             f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 each rank holds part of "
             "every sequence, so neither the model's own .loss (raw) nor a per-sample mean (per_sample_loss) "

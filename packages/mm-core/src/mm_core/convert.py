@@ -139,6 +139,12 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
         merge_lora(model)  # adapters folded into the base weights: a plain transformers model again
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    if not callable(getattr(model, "save_pretrained", None)):
+        # a custom BaseModel: its weights as one safetensors file with the model's own parameter names
+        from safetensors.torch import save_model
+
+        save_model(model, str(dst / "model.safetensors"))
+        return dst
     model.save_pretrained(dst, max_shard_size=max_shard_size)
     config_path = dst / "config.json"
     if config_path.is_file():

@@ -154,7 +154,7 @@ def build_dataloader(
         sampler=sampler,
         num_workers=dl.num_workers,
         collate_fn=collate_fn,
-        pin_memory=dl.pin_memory and torch.cuda.is_available(),
+        pin_memory=dl.pin_memory and torch.accelerator.is_available(),  # cuda or npu; no-op on cpu
         drop_last=dl.drop_last,
         generator=generator,
         **kwargs,

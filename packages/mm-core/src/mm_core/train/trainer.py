@@ -74,6 +74,9 @@ class Trainer:
         if tcfg.use_deter_comp:
             set_deterministic(True)
         seed_everything(tcfg.seed)
+        # where training.load points, resolved once: `auto` with no checkpoint yet means a fresh start,
+        # so a meta-built model must then be initialised rather than left waiting for weights
+        self.load_path = resolve_load_path(tcfg.load, tcfg.save) if tcfg.load is not None else None
         self.model = self._build_model()
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
@@ -129,7 +132,7 @@ class Trainer:
             model.to(self.state.device)
         model = shard_model(model, cfg, self.state)
         if meta:
-            weights_from_load = tcfg.load is not None
+            weights_from_load = self.load_path is not None
             hf_weights = (
                 not cfg.model.from_scratch
                 and cfg.model.model_name_or_path
@@ -148,7 +151,7 @@ class Trainer:
         tcfg = self.cfg.training
         if tcfg.load is None:
             return
-        path = resolve_load_path(tcfg.load, tcfg.save)
+        path = self.load_path
         if path is None:
             self._info(f"training.load: auto found no checkpoint under {tcfg.save}; starting fresh")
             return
