@@ -51,6 +51,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     )
     # workers leave user errors in a folder; the agent's own log would add a traceback to them
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # "Terminating process ... via SIGTERM" when the other ranks are stopped after one failed
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="mm-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
