@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-ORDER = ["mm_parallel", "mm_core", "mm_models_qwen", "mm_data_text"]
+ORDER = ["mm_parallel", "mm_core", "mm_models_qwen", "mm_data_text", "mm_data_vlm"]
 PLUGINS = {"mm_models_qwen", "mm_data_text", "mm_data_vlm"}
 
 
@@ -80,3 +80,45 @@ def test_mm_parallel_submodules_are_covered() -> None:
     imported = set(probe("mm_parallel", walk=True)["imported"])
     for name in ("mm_parallel.fsdp", "mm_parallel.patterns", "mm_parallel.device", "mm_parallel.grad"):
         assert name in imported
+
+
+def test_mm_core_imports_run_one_way() -> None:
+    """cli -> launch -> train entry -> Trainer: the entry never imports the CLI or the launcher, and no module
+    of any package imports another that imports it back (function-level imports included)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    modules: dict[str, pathlib.Path] = {}
+    for f in root.glob("packages/*/src/**/*.py"):
+        src = next(p for p in f.parents if p.name == "src")
+        modules[".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__")] = f
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for m, f in modules.items():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for n in names:
+                while n and n not in modules:
+                    n = n.rpartition(".")[0]
+                if n and n != m and not m.startswith(n + "."):
+                    graph[m].add(n)
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            cur = todo.pop()
+            if cur == b:
+                return True
+            if cur not in seen:
+                seen.add(cur)
+                todo.extend(graph[cur])
+        return False
+
+    chain = ["mm_core.cli", "mm_core.launch", "mm_core.train.entry", "mm_core.train.trainer"]
+    for upper, lower in zip(chain, chain[1:]):
+        assert lower in graph[upper] or reaches(upper, lower), f"{upper} should import {lower}"
+        assert not reaches(lower, upper), f"{lower} imports {upper} (imports must run one way)"
+    cycles = [(a, b) for a in graph for b in graph[a] if reaches(b, a)]
+    assert not cycles, f"import cycles: {cycles[:5]}"

@@ -51,8 +51,8 @@ def _worker(
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from mm_core.config.schema import ParallelConfig
-    from mm_core.context_parallel import ContextParallel, use_context_parallel_attention
-    from mm_core.parallel_state import init_parallel_state
+    from mm_core.parallel.context import ContextParallel, use_context_parallel_attention
+    from mm_core.parallel.state import init_parallel_state
     from mm_core.train.loss import loss_sum, shift_labels
 
     torch.set_num_threads(1)

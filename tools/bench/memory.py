@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, port: int, args: list[str], result: str) -> N
     import torch.distributed as dist
 
     from mm_core.config.loader import load_config
-    from mm_core.parallel_state import init_distributed
+    from mm_core.parallel.state import init_distributed
     from mm_core.tools import rss_bytes
     from mm_core.train.trainer import Trainer
 
@@ -139,7 +139,7 @@ def _free_port() -> int:
 
 def estimate(args: list[str], world: int) -> float:
     from mm_core.config.loader import load_config
-    from mm_core.memory_estimate import estimate_for_config
+    from mm_core.parallel.estimate import estimate_for_config
 
     os.chdir(REPO)
     return estimate_for_config(load_config(QUICKSTART, args), world).total

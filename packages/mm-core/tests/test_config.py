@@ -16,7 +16,7 @@ import yaml
 from mm_core.config import apply_overrides, load_config, parse_override, validate_config
 from mm_core.config.schema import ParallelConfig
 from mm_core.errors import ConfigError, MMError
-from mm_core.parallel_state import resolve_sizes
+from mm_core.parallel.state import resolve_sizes
 
 
 def error_for(raw: dict[str, Any], edit: Callable[[dict[str, Any]], Any]) -> str:

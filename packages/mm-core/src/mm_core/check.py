@@ -6,11 +6,11 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
-from mm_core.memory import describe_features, plan_memory_features
-from mm_core.memory_estimate import estimate_breakdown
+from mm_core.parallel.memory import describe_features, plan_memory_features
+from mm_core.parallel.estimate import estimate_breakdown
 from mm_core.models.hub import ModelHub
-from mm_core.parallel_state import ParallelSizes, resolve_sizes
-from mm_core.parallelize import apply_freeze, fsdp_patterns, resolve_patterns
+from mm_core.parallel.state import ParallelSizes, resolve_sizes
+from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
 from mm_parallel.device import detect_device_type
 
@@ -23,7 +23,7 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
 
 def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, out) -> None:
     """Which modules are expert-parallel, and which experts each rank computes."""
-    from mm_core.expert_parallel import expert_layout, expert_modules
+    from mm_core.parallel.experts import expert_layout, expert_modules
 
     names, source = expert_modules(model, cfg, sizes)
     if not names:
@@ -52,7 +52,7 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     frozen = apply_freeze(model, cfg.model.freeze)
     if sizes.cp > 1:  # the same model checks the trainer makes for context parallelism
-        from mm_core.context_parallel import use_context_parallel_attention
+        from mm_core.parallel.context import use_context_parallel_attention
 
         use_context_parallel_attention(model, cfg, sizes)
     patterns, source = fsdp_patterns(model, cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mm_core.cli import ERROR_DIR_ENV
+from mm_core.train.entry import ERROR_DIR_ENV, run_worker
 
 
 def _free_port() -> int:
@@ -23,8 +23,6 @@ def _free_port() -> int:
 
 
 def _worker_main(argv: list[str]) -> None:
-    from mm_core.cli import run_worker
-
     code = run_worker(argv)
     if code:
         sys.exit(code)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from mm_core.config.schema import TrainingConfig
 from mm_core.errors import ConfigError
-from mm_core.parallelize import to_dtype
+from mm_core.parallel.apply import to_dtype
 from mm_parallel.grad import total_grad_norm
 from mm_parallel.optim import Muon, MuonParamPlan, classify_muon_params
 from mm_parallel.patterns import ModulePattern, PatternError, match_modules

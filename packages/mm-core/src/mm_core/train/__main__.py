@@ -2,7 +2,7 @@
 
 import sys
 
-from mm_core.cli import run_worker
+from mm_core.train.entry import run_worker
 
 if __name__ == "__main__":
     sys.exit(run_worker(sys.argv[1:]))

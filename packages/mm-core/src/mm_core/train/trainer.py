@@ -25,15 +25,15 @@ from mm_core.checkpoint import (
 )
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
-from mm_core.context_parallel import ContextParallel
+from mm_core.parallel.context import ContextParallel
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
 from mm_core.errors import DataError
-from mm_core.expert_parallel import router_aux_for
+from mm_core.parallel.experts import router_aux_for
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.muon import clip_grad_norm_adamw_only_
-from mm_core.parallel_state import ParallelState, init_parallel_state
-from mm_core.parallelize import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
+from mm_core.parallel.state import ParallelState, init_parallel_state
+from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
 from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
 from mm_core.train.loss import count_units, loss_sum, shift_labels
@@ -196,7 +196,7 @@ class Trainer:
         shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.state.device, self.float_dtype)
-        if loss_type == "raw":  # (context parallel refuses raw: see mm_core.context_parallel)
+        if loss_type == "raw":  # (context parallel refuses raw: see mm_core.parallel.context)
             mask = batch.get("attention_mask")
             return batch, None, 0.0, int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         if "labels" not in batch:

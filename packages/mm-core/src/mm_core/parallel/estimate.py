@@ -86,7 +86,7 @@ def estimate_activations(
     tokens = _tokens_per_micro_batch(cfg)
     if config is None or not all(hasattr(config, k) for k in needed) or not tokens:
         return 0.0, 0.0
-    from mm_core.parallelize import to_dtype
+    from mm_core.parallel.apply import to_dtype
 
     itemsize = to_dtype(cfg.parallel.fsdp_plan.param_dtype).itemsize
     qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
@@ -113,7 +113,7 @@ def estimate_breakdown(
     device_type: str = "cpu",
 ) -> MemoryBreakdown:
     """Per-rank bytes for a model built on meta, the resolved FSDP units and memory features."""
-    from mm_core.parallelize import to_dtype
+    from mm_core.parallel.apply import to_dtype
 
     plan = cfg.parallel.fsdp_plan
     total, trainable = _numel(model), _numel(model, trainable_only=True)
@@ -138,10 +138,10 @@ def estimate_breakdown(
 
 def estimate_for_config(cfg: MMConfig, world_size: int, device_type: str = "cpu") -> MemoryBreakdown:
     """Build the model on meta, resolve the plans for ``world_size`` ranks and estimate (no training)."""
-    from mm_core.memory import plan_memory_features
+    from mm_core.parallel.memory import plan_memory_features
     from mm_core.models.hub import ModelHub
-    from mm_core.parallel_state import resolve_sizes
-    from mm_core.parallelize import apply_freeze, fsdp_patterns, resolve_patterns
+    from mm_core.parallel.state import resolve_sizes
+    from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
     from mm_core.registry import import_plugins
 
     import_plugins(cfg.training.plugin)

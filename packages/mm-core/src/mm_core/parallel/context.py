@@ -26,7 +26,7 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
-from mm_core.parallel_state import ParallelSizes, ParallelState
+from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_parallel.context import (
     PAD_SEGMENT,
     SequenceLayout,

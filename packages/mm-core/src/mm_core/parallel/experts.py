@@ -20,7 +20,7 @@ from torch import nn
 from mm_core.config.schema import LossConfig, MMConfig
 from mm_core.errors import ConfigError
 from mm_core.models.hub import model_plans
-from mm_core.parallel_state import ParallelSizes, ParallelState
+from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_experts, swap_experts
 from mm_parallel.patterns import PatternError, match_modules
 
