@@ -21,6 +21,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mm_core.config.schema import ParallelConfig
+from mm_core.errors import ConfigError
 from mm_core.parallel.context import (
     ATTENTION_NAME,
     LAYOUT_KWARG,
@@ -29,7 +30,6 @@ from mm_core.parallel.context import (
     shard_module_inputs,
     use_context_parallel_attention,
 )
-from mm_core.errors import ConfigError
 from mm_core.parallel.state import init_parallel_state, resolve_sizes
 from mm_core.train.loss import IGNORE_INDEX, count_units, shift_labels
 from mm_parallel.context import SequenceLayout

@@ -12,9 +12,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from mm_core.config.loader import load_config
 from mm_core.errors import ConfigError
-from mm_core.parallel.memory import plan_memory_features
-from mm_core.parallel.estimate import estimate_activations
 from mm_core.models.hub import ModelHub
+from mm_core.parallel.estimate import estimate_activations
+from mm_core.parallel.memory import plan_memory_features
 from mm_core.train.loss import loss_sum, shift_labels
 
 SEQ, MICRO = 64, 2

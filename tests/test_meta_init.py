@@ -13,8 +13,8 @@ from transformers import AutoConfig
 from mm_core.config import load_config
 from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelHub
-from mm_core.parallel.state import init_parallel_state
 from mm_core.parallel.apply import check_initialised, materialize_meta, shard_model
+from mm_core.parallel.state import init_parallel_state
 
 SMALL = [
     "data.dataset_param.basic_parameters.seq_len=32",

@@ -6,11 +6,11 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
-from mm_core.parallel.memory import describe_features, plan_memory_features
-from mm_core.parallel.estimate import estimate_breakdown
 from mm_core.models.hub import ModelHub
-from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
+from mm_core.parallel.estimate import estimate_breakdown
+from mm_core.parallel.memory import describe_features, plan_memory_features
+from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
 from mm_parallel.device import detect_device_type
 

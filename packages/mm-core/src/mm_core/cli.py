@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from mm_core.train.entry import EXIT_USER_ERROR, guarded, report_error, run_worker
 
+
 def _cmd_train(args: argparse.Namespace) -> int:
     argv = [args.config, *args.overrides]
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -12,10 +12,10 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
-from mm_core.parallel.experts import apply_expert_parallel
 from mm_core.lora import apply_lora, check_lora_settings
-from mm_core.parallel.memory import apply_memory_features, apply_prefetch
 from mm_core.models.hub import has_weights, model_plans
+from mm_core.parallel.experts import apply_expert_parallel
+from mm_core.parallel.memory import apply_memory_features, apply_prefetch
 from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.patterns import PatternError, match_modules, select_modules

@@ -138,10 +138,10 @@ def estimate_breakdown(
 
 def estimate_for_config(cfg: MMConfig, world_size: int, device_type: str = "cpu") -> MemoryBreakdown:
     """Build the model on meta, resolve the plans for ``world_size`` ranks and estimate (no training)."""
-    from mm_core.parallel.memory import plan_memory_features
     from mm_core.models.hub import ModelHub
-    from mm_core.parallel.state import resolve_sizes
     from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
+    from mm_core.parallel.memory import plan_memory_features
+    from mm_core.parallel.state import resolve_sizes
     from mm_core.registry import import_plugins
 
     import_plugins(cfg.training.plugin)

@@ -25,15 +25,15 @@ from mm_core.checkpoint import (
 )
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
-from mm_core.parallel.context import ContextParallel
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
 from mm_core.errors import DataError
-from mm_core.parallel.experts import router_aux_for
 from mm_core.models.hub import ModelHub, has_weights, model_plans
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.muon import clip_grad_norm_adamw_only_
-from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
+from mm_core.parallel.context import ContextParallel
+from mm_core.parallel.experts import router_aux_for
+from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
 from mm_core.train.loss import count_units, loss_sum, shift_labels
