@@ -25,3 +25,11 @@ class DataError(MMError):
 
 class CheckpointError(MMError):
     """A checkpoint is missing, incomplete, or does not match the model."""
+
+
+class NonFiniteError(MMError):
+    """The loss, the gradient norm or the weights stopped being finite; training stops without publishing."""
+
+
+class TrainingInterrupted(Exception):  # noqa: N818 (not an error: a requested, clean stop)
+    """SIGTERM/SIGINT stopped training after a complete step (and its checkpoint, when saving is on)."""

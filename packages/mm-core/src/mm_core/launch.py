@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mm_core.train.entry import ERROR_DIR_ENV, run_worker
+from mm_core.train.entry import ERROR_DIR_ENV, INTERRUPTED_FILE, run_worker
+from mm_core.train.signals import EXIT_INTERRUPTED
+
+#: seconds a signalled worker has to finish its step and save before the launcher kills it
+#: (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` overrides)
+SHUTDOWN_TIMEOUT_S = 600
 
 
 def _free_port() -> int:
@@ -46,6 +55,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.5,
+        # a signalled run finishes its step and saves before it exits: give it time before SIGKILL
+        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)),
     )
     # workers leave user errors in a folder; the agent's own log would add a traceback to them
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -56,19 +67,56 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         try:
             elastic_launch(config, _worker_main)(argv)
         except ChildFailedError as exc:
-            messages = _collect_errors(Path(error_dir))
-            for msg, ranks in messages.items():
-                where = "" if len(ranks) == nproc or ranks == [0] else f" (rank {', '.join(map(str, ranks))})"
-                print(f"mm: error{where}: {msg}", file=sys.stderr, flush=True)
-            codes = {f.exitcode for f in exc.failures.values()}
-            if messages and codes <= {2, -15}:  # -15: ranks stopped by the agent after another failed
-                return 2
-            for rank, failure in sorted(exc.failures.items()):
-                print(f"mm: worker {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-            return 1
+            codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+            return _report_failure(Path(error_dir), nproc, codes)
+        except SignalException as exc:
+            # this process was signalled: the agent passed the signal on to the workers and waited up to
+            # shutdown_timeout for them to finish their step and save
+            if (Path(error_dir) / INTERRUPTED_FILE).is_file():
+                return EXIT_INTERRUPTED
+            print(f"mm: stopped by {signal.Signals(exc.sigval).name} before a checkpoint", file=sys.stderr)
+            return 128 + int(exc.sigval)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
     return 0
+
+
+def _report_failure(error_dir: Path, nproc: int, codes: dict[int, int]) -> int:
+    """Print what the failed workers left (each distinct user error once; the first crash with its traceback
+    tail) and return the launcher's exit status."""
+    messages = _collect_errors(error_dir)
+    for msg, ranks in messages.items():
+        where = "" if len(ranks) == nproc or ranks == [0] else f" (rank {', '.join(map(str, ranks))})"
+        print(f"mm: error{where}: {msg}", file=sys.stderr, flush=True)
+    stopped = {-int(signal.SIGTERM), -int(signal.SIGINT)}  # ranks the agent stopped after another failed
+    if EXIT_INTERRUPTED in codes.values() and set(codes.values()) <= {EXIT_INTERRUPTED} | stopped:
+        return EXIT_INTERRUPTED
+    if messages and set(codes.values()) <= {2} | stopped:
+        return 2
+    crash = _first_crash(error_dir)
+    if crash is not None:
+        rank, report = crash
+        print(report["traceback"], file=sys.stderr)
+        print(f"mm: worker rank {rank} failed: {report['summary']}", file=sys.stderr, flush=True)
+        others = sorted(r for r in codes if r != rank)
+        if others:
+            ranks = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+            print(f"mm: {ranks} stopped too (see above)", file=sys.stderr, flush=True)
+        return 1
+    for rank, code in sorted(codes.items()):
+        print(f"mm: worker {rank} failed with exit code {code}", file=sys.stderr)
+    return 1
+
+
+def _first_crash(error_dir: Path) -> tuple[int, dict[str, Any]] | None:
+    """The earliest crash report a worker left (later ones are usually its consequences on other ranks)."""
+    reports = []
+    for f in error_dir.glob("crash_*.json"):
+        try:
+            reports.append((int(f.stem.split("_")[1]), json.loads(f.read_text(encoding="utf-8"))))
+        except (ValueError, OSError):
+            continue
+    return min(reports, key=lambda r: r[1]["time"]) if reports else None
 
 
 def _collect_errors(error_dir: Path) -> dict[str, list[int]]:

@@ -7,16 +7,23 @@ when it runs, so importing it is cheap. User errors (:class:`MMError`) become on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import sys
+import time
+import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
-from mm_core.errors import MMError
+from mm_core.errors import MMError, TrainingInterrupted
+from mm_core.train.signals import EXIT_INTERRUPTED
 
 EXIT_USER_ERROR = 2
 ERROR_DIR_ENV = "MM_ERROR_DIR"  # set by the local launcher: workers leave their user errors there
+INTERRUPTED_FILE = "interrupted.txt"  # rank 0 leaves it there after a clean stop on SIGTERM/SIGINT
 
 
 def report_error(msg: str) -> int:
@@ -34,11 +41,47 @@ def report_error(msg: str) -> int:
 
 
 def guarded(fn: Callable[[], int | None]) -> int:
-    """Run ``fn``; an :class:`MMError` becomes one line on stderr and exit status 2 (no traceback)."""
+    """Run ``fn``; an :class:`MMError` becomes one line on stderr and exit status 2 (no traceback).
+
+    A stop requested by SIGTERM/SIGINT (after its checkpoint) prints one line and returns
+    :data:`EXIT_INTERRUPTED`. Any other exception is a bug or a crash in a plugin: it keeps its traceback, and
+    a worker of the local launcher also leaves its type, message and traceback tail for the launcher to print.
+    """
     try:
         return fn() or 0
     except MMError as exc:
         return report_error(str(exc))
+    except TrainingInterrupted as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mm: {exc}", file=sys.stderr, flush=True)
+            if error_dir := os.environ.get(ERROR_DIR_ENV):  # tell the local launcher the stop was clean
+                with contextlib.suppress(OSError):
+                    Path(error_dir, INTERRUPTED_FILE).write_text(str(exc), encoding="utf-8")
+        return EXIT_INTERRUPTED
+    except BaseException as exc:
+        if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            _leave_crash_report(exc)
+        raise
+
+
+#: lines of the traceback a crash report keeps (the innermost frames: where the plugin or mm failed)
+CRASH_TAIL_LINES = 24
+
+
+def _leave_crash_report(exc: BaseException) -> None:
+    """For the local launcher: ``crash_<rank>.txt`` with the time, the exception and its traceback tail."""
+    error_dir, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not (error_dir and rank is not None):
+        return
+    lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    tail = lines[-CRASH_TAIL_LINES:]
+    if len(lines) > len(tail):  # start at a frame, not inside one
+        while tail and not tail[0].startswith("  File "):
+            tail = tail[1:]
+        tail = ["Traceback (most recent call last, innermost frames):", *tail]
+    report = {"time": time.time(), "summary": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tail)}
+    with contextlib.suppress(OSError):
+        Path(error_dir, f"crash_{rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
 
 def run_worker(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: the label of positions that do not count; the one definition (data plugins import it from here)
 IGNORE_INDEX = -100
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mm_core.train.outputs import METRICS_FILE, open_metrics
+
 
 def peak_memory_gb(device: torch.device) -> float:
     """Allocator peak on an accelerator; peak resident set size of the process on CPU."""
@@ -38,11 +40,13 @@ class MetricsLogger:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        # keeps the records up to start_step (a resumed run's own), so no step is listed twice
+        self._file = open_metrics(output_dir / METRICS_FILE, start_step)
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            # events of steps after start_step from an earlier attempt are hidden (they are redone)
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=start_step + 1)
         if progress_bar:
             from tqdm.auto import tqdm
 

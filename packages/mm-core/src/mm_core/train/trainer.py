@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -23,13 +24,16 @@ from mm_core.checkpoint import (
     resolve_load_path,
     set_deterministic,
 )
+from mm_core.checkpoint.layout import read_latest
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
-from mm_core.errors import DataError
-from mm_core.models.hub import ModelHub, has_weights, model_plans
+from mm_core.errors import ConfigError, DataError, NonFiniteError, TrainingInterrupted
+from mm_core.models.hub import ModelHub, has_weights
+from mm_core.models.output import output_field
+from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
-from mm_core.optim.muon import clip_grad_norm_adamw_only_
+from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
 from mm_core.parallel.context import ContextParallel
 from mm_core.parallel.experts import router_aux_for
@@ -38,6 +42,8 @@ from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
 from mm_core.train.loss import count_units, loss_sum, shift_labels
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
+from mm_core.train.outputs import check_run_outputs
+from mm_core.train.signals import StopRequest
 from mm_parallel.grad import clip_grad_norm_
 
 log = logging.getLogger("mm")
@@ -64,6 +70,12 @@ class Trainer:
         self.cfg = cfg
         self.config_path = config_path
         self.out_dir = output_dir_for(cfg, config_path)
+        self.stop = StopRequest()
+        self.skipped_samples = 0  # records skipped by the data (on_error: skip), all ranks, this process
+        self._skipped_pending = 0  # this rank's, not yet summed
+        self.nonfinite_skipped = 0  # steps skipped for a non-finite loss or grad norm, this process
+        self._labels_withheld_ok = False
+        self._saved_step: int | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> Trainer:
@@ -77,7 +89,10 @@ class Trainer:
         # where training.load points, resolved once: `auto` with no checkpoint yet means a fresh start,
         # so a meta-built model must then be initialised rather than left waiting for weights
         self.load_path = resolve_load_path(tcfg.load, tcfg.save) if tcfg.load is not None else None
+        check_run_outputs(cfg, self.out_dir, self.load_path)  # another run's outputs, dataset folders
         self.model = self._build_model()
+        self._model_name = type(self.model).__name__
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
         self.float_dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
@@ -97,7 +112,8 @@ class Trainer:
         )
         self.batches = EpochIterator(self.loader)
 
-        self.optimizer = build_optimizer(self.model, tcfg, model_plans(self.model))
+        built = build_optimizer(self.model, tcfg, plan_of(self.model))
+        self.optimizer, self.clip_scale_only = built.optimizer, built.clip_scale_only
         self.scheduler = build_scheduler(self.optimizer, tcfg)
         self.progress = TrainProgress(world_size=self.state.sizes.world_size)
         self.train_state = TrainingState(
@@ -155,6 +171,7 @@ class Trainer:
         if path is None:
             self._info(f"training.load: auto found no checkpoint under {tcfg.save}; starting fresh")
             return
+        configured = [dict(g) for g in self.optimizer.param_groups]  # this run's settings, before loading
         report = load_checkpoint(
             path,
             self.train_state,
@@ -172,6 +189,9 @@ class Trainer:
             if report["reseeded_rng"] or saved_world < self.state.sizes.world_size:
                 note += f" (ranks {saved_world}.. got fresh random states from the seed, step and rank)"
         self._info(f"loaded {path} ({', '.join(report['loaded'])}) at step {self.progress.step}{note}")
+        if "optimizer" in report["loaded"] or "scheduler" in report["loaded"]:
+            for line in apply_schedule_changes(self.optimizer, self.scheduler, configured, path, self.cfg):
+                self._info(line)
 
     def _info(self, msg: str) -> None:
         if self.state.is_main:
@@ -183,22 +203,24 @@ class Trainer:
         for _ in range(self.cfg.training.grad_accum):
             batch = next(self.batches)
             batch.pop("sample_id", None)
-            # records a dataset skipped (data.dataset_param.on_error: skip), counted by this rank
-            self.skipped_samples = getattr(self, "skipped_samples", 0) + int(batch.pop("skipped_samples", 0))
+            # records a dataset skipped (data.dataset_param.on_error: skip), counted by this rank; a plain
+            # int from the collator (host data), summed over ranks with the step's other counts
+            self._skipped_pending += int(batch.pop("skipped_samples", 0))
             out.append(batch)
         return out
 
-    def _prepare(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None, float, int]:
+    def _prepare(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Move one micro-batch to the device and take out the loss targets (labels shifted by one).
 
         Returns the model inputs, the targets (None for ``loss_type: raw``), this rank's number of loss units
-        and of input tokens. Anything that reshapes the batch for a parallel layout belongs here, after the
-        shift (so no target crosses a split)."""
+        and of input tokens (0-dim tensors on the device: no host sync). Anything that reshapes the batch for
+        a parallel layout belongs here, after the shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.state.device, self.float_dtype)
         if loss_type == "raw":  # (context parallel refuses raw: see mm_core.parallel.context)
-            mask = batch.get("attention_mask")
-            return batch, None, 0.0, int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            return batch, None, self._zero, self._count_tokens(batch)
         if "labels" not in batch:
             raise DataError(
                 f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
@@ -208,11 +230,17 @@ class Trainer:
         targets = shift_labels(batch.pop("labels"))
         if self.context is not None:  # this rank's part of the sequence; counts below are of that part
             batch, targets = self.context.shard(batch, targets)
-            tokens = self.context.local_tokens(batch)
+            tokens = self.context.local_tokens(batch).to(self._zero)
         else:
-            mask = batch.get("attention_mask")
-            tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        return batch, targets, float(count_units(targets, loss_type)), tokens
+            tokens = self._count_tokens(batch)
+        return batch, targets, count_units(targets, loss_type).to(torch.float64), tokens
+
+    def _count_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Input tokens of a micro-batch (attention-mask ones, else every position), on the device."""
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            return mask.sum(dtype=torch.float64)
+        return torch.full_like(self._zero, float(batch["input_ids"].numel()))
 
     def _forward_loss(
         self, batch: dict[str, Any], targets: torch.Tensor | None, scale: float
@@ -220,69 +248,160 @@ class Trainer:
         """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
         reported loss (a sum over loss units, or the raw loss)."""
         moe = {"output_router_logits": True} if self.router_aux is not None else {}
-        out = self.model(**batch, use_cache=False, **moe)
+        out = self._call_model(batch, use_cache=False, **moe)
+        loss_type = self.cfg.model.loss_cfg.loss_type
         if targets is None:
-            loss = out.loss * scale
+            loss = output_field(out, "loss")
+            if not isinstance(loss, torch.Tensor):
+                raise ConfigError(
+                    f"model.loss_cfg.loss_type: raw trains on the model's own .loss, but the forward of "
+                    f"{self._model_name} returned loss={loss!r}; return the loss (e.g. compute it from the "
+                    "labels the batch carries), or use loss_type: per_token_loss to let mm compute it from "
+                    ".logits"
+                )
+            loss = loss * scale.to(loss.dtype)
             return loss, loss.detach()
-        s = loss_sum(out.logits, targets, self.cfg.model.loss_cfg.loss_type)
-        return self._add_router_loss(s * scale, out, batch), s.detach()
+        logits = output_field(out, "logits")
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(
+                f"model.loss_cfg.loss_type: {loss_type} computes the loss from the model's .logits, but the "
+                f"forward of {self._model_name} returned none; return .logits, or set "
+                "model.loss_cfg.loss_type: raw to train on the model's own .loss"
+            )
+        s = loss_sum(logits, targets, loss_type)
+        return self._add_router_loss(s * scale.to(s.dtype), out, batch), s.detach()
+
+    def _call_model(self, batch: dict[str, Any], **kwargs: Any) -> Any:
+        """The model's forward. mm keeps the labels unless ``loss_type: raw`` (it computes the loss from the
+        logits); a model that cannot run without them fails on its first call: say so in one line."""
+        if self._labels_withheld_ok or self.cfg.model.loss_cfg.loss_type == "raw":
+            return self.model(**batch, **kwargs)
+        try:
+            out = self.model(**batch, **kwargs)
+        except (TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"model.loss_cfg.loss_type: {self.cfg.model.loss_cfg.loss_type} computes the loss from the "
+                f"logits, so mm calls the model without labels, and the forward of {self._model_name} failed "
+                f"without them ({type(exc).__name__}: {exc}); set model.loss_cfg.loss_type: raw to train on "
+                "the model's own .loss"
+            ) from exc
+        self._labels_withheld_ok = True
+        return out
 
     def _add_router_loss(self, loss: torch.Tensor, out: Any, batch: dict[str, Any]) -> torch.Tensor:
         """Add ``router_aux_loss_coef`` x the load-balancing loss of the global micro-batch (this rank share,
         scaled like the main loss for FSDP's averaging and by 1 / micro-batches); record its value."""
         if self.router_aux is None:
             return loss
-        share, value = self.router_aux(out.router_logits, batch.get("attention_mask"))
-        self._aux_values.append(float(value))
+        share, value = self.router_aux(output_field(out, "router_logits"), batch.get("attention_mask"))
+        self._aux_values.append(value.detach().to(torch.float64))
         if not self.router_aux.coef:
             return loss
         return loss + share * (self.router_aux.coef * self._aux_scale)
 
-    def _clip_and_step(self) -> tuple[float, float]:
-        """Clip gradients by the global norm, step optimizer and schedule; returns (grad norm, lr used)."""
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip gradients by the global norm (the optimizer's clipping policy); returns the norm, on the
+        device."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        tcfg = self.cfg.training
-        if tcfg.optimizer == "muon" and not tcfg.muon.clip_muon_params:
-            grad_norm = clip_grad_norm_adamw_only_(params, self.optimizer, tcfg.clip_grad)
-        else:
-            grad_norm = clip_grad_norm_(params, tcfg.clip_grad)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm), lr
+        return clip_grad_norm_(params, self.cfg.training.clip_grad, scale_only=self.clip_scale_only)
 
-    def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, float]:
-        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics."""
+    def train_step(
+        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
+    ) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics.
+
+        Every count stays on the device; the step makes one host sync, after clipping, that reads the loss,
+        the grad norm, the counts (and, with ``log_memory``, the peak memory of every rank) together. A
+        non-finite loss or grad norm skips the update (``training.skip_nonfinite_steps``) or stops the run.
+        """
         raw = self.cfg.model.loss_cfg.loss_type == "raw"
+        ws = self.state.sizes.world_size
         prepared = [self._prepare(b) for b in micro_batches]
-        # one collective for the normalisers: global loss units and input tokens of this step
-        counts = torch.tensor([sum(p[2] for p in prepared), sum(p[3] for p in prepared)], dtype=torch.float64)
+        # one collective for the normalisers: global loss units, input tokens and skipped records
+        skipped, self._skipped_pending = self._skipped_pending, 0
+        counts = torch.stack(
+            [
+                torch.stack([p[2] for p in prepared]).sum(),
+                torch.stack([p[3] for p in prepared]).sum(),
+                torch.full_like(self._zero, float(skipped)),
+            ]
+        )
         dist.all_reduce(counts)
-        global_units, global_tokens = counts.tolist()
+        global_units = counts[0]
         # FSDP averages gradients over every rank it reduces across; undo that so the gradient is the one of
         # (sum of losses / global units), the same for every layout
-        ranks_averaged = float(self.state.sizes.world_size)
-        scale = 1.0 / len(prepared) if raw else ranks_averaged / max(global_units, 1.0)
-        self._aux_values: list[float] = []
-        self._aux_scale = ranks_averaged / len(prepared)
+        scale = torch.full_like(self._zero, 1.0 / len(prepared)) if raw else ws / global_units.clamp(min=1.0)
+        self._aux_values: list[torch.Tensor] = []
+        self._aux_scale = float(ws) / len(prepared)
 
-        loss_acc = torch.zeros((), dtype=torch.float64)
+        # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT)
+        loss_acc = torch.zeros(2, dtype=torch.float64, device=self._zero.device)
         for batch, targets, _, _ in prepared:
             loss, contrib = self._forward_loss(batch, targets, scale)
             loss.backward()
-            loss_acc += contrib.double().cpu()
+            loss_acc[0] += contrib.double()
+        loss_acc[1] = float(self.stop.requested)
         dist.all_reduce(loss_acc)
-        step_loss = loss_acc.item() / (self.state.sizes.world_size if raw else max(global_units, 1.0))
-        grad_norm, lr = self._clip_and_step()
-        metrics = {"loss": step_loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(global_tokens)}
+        grad_norm = self._clip_grads()
+        stats = [loss_acc[0], grad_norm.to(loss_acc.device, torch.float64), counts[0], counts[1], counts[2]]
+        stats.append(loss_acc[1])
+        aux = self._aux_values
+        stats.append(torch.stack(aux).sum() / len(aux) if aux else self._zero)
+        if log_memory:
+            peak = torch.full_like(self._zero, peak_memory_gb(self.state.device))
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            stats.append(peak)
+        values = torch.stack(stats).tolist()  # the step's one host sync
+        loss_sum_, gnorm, units, tokens, skipped_all, stop, aux = values[:7]
+        step_loss = loss_sum_ / (ws if raw else max(units, 1.0))
+        self.stop.agreed = self.stop.agreed or stop > 0
+        # ranks of one data-parallel group read the same records, so each skipped record is counted that often
+        self.skipped_samples += int(skipped_all) // (ws // self.state.sizes.dp)
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(tokens)}
         if self._aux_values:  # mixture-of-experts: the mean over micro-batches of the global router loss
-            metrics["aux_loss"] = sum(self._aux_values) / len(self._aux_values)
+            metrics["aux_loss"] = aux
+        if log_memory:
+            metrics["peak_mem_gb"] = values[7]
+        if self._finite_or_skip(step_loss, gnorm):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.training.skip_nonfinite_steps:
+            metrics["skipped_nonfinite_steps"] = self.nonfinite_skipped
         return metrics
+
+    def _finite_or_skip(self, loss: float, grad_norm: float) -> bool:
+        """True when the step may update the model. A non-finite loss or grad norm is skipped while
+        ``training.skip_nonfinite_steps`` allows, else the run stops (no update, no checkpoint of it)."""
+        bad = [f"{name} is {value}" for name, value in (("loss", loss), ("grad norm", grad_norm))]
+        bad = [b for b, v in zip(bad, (loss, grad_norm)) if not math.isfinite(v)]
+        if not bad:
+            return True
+        step = self.progress.step + 1
+        allowed = self.cfg.training.skip_nonfinite_steps
+        if self.nonfinite_skipped < allowed:
+            self.nonfinite_skipped += 1
+            self._info(
+                f"step {step}: the {' and the '.join(bad)}; skipped the update "
+                f"({self.nonfinite_skipped} of training.skip_nonfinite_steps: {allowed})"
+            )
+            return False
+        saved = read_latest(Path(self.cfg.training.save)) if self.cfg.training.save else None
+        raise NonFiniteError(
+            f"training stopped at step {step}: the {' and the '.join(bad)}; the update was not applied "
+            f"and no checkpoint of it was written (last good checkpoint: {saved or 'none'}); lower "
+            "training.lr or check the data, or set training.skip_nonfinite_steps: N to skip up to N such "
+            "steps" + (f" (already skipped {allowed})" if allowed else "")
+        )
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
-        """Run until ``training.train_iters``; returns the logged records (on every rank)."""
+        """Run until ``training.train_iters``; returns the logged records (on every rank).
+
+        SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) finish the current step, save a checkpoint when
+        ``training.save`` is set and raise :class:`TrainingInterrupted`; ``training.load: auto`` resumes.
+        """
         cfg, tcfg = self.cfg, self.cfg.training
         main = self.state.is_main
         if main:
@@ -298,47 +417,39 @@ class Trainer:
             progress_bar=tcfg.progress_bar,
         )
         records: list[dict[str, Any]] = []
-        sync = getattr(torch, self.state.device_type).synchronize if self.state.device_type != "cpu" else None
         tools = StepTools(cfg.tools, dist.get_rank(), self.state.device_type, self.out_dir)
         try:
-            while self.progress.step < tcfg.train_iters:
-                tools.step_begin(self.progress.step + 1)
-                t0 = time.perf_counter()
-                micro = self._next_micro_batches()
-                metrics = self.train_step(micro)
-                if sync is not None:
-                    sync()
-                dt = time.perf_counter() - t0
-                tools.step_end(self.progress.step + 1)
-                self.progress.step += 1
-                self.progress.consumed_samples += (
-                    tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
-                )
-                self.progress.consumed_tokens += metrics["tokens"]
-                step = self.progress.step
-                if step % tcfg.log_interval == 0 or step == tcfg.train_iters:
-                    peak = torch.tensor([peak_memory_gb(self.state.device)])
-                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                    record = {
-                        "step": step,
-                        **metrics,
-                        "tokens_per_s": metrics["tokens"] / dt,
-                        "step_time_s": dt,
-                        "peak_mem_gb": peak.item(),
-                    }
-                    if cfg.data.dataset_param.on_error == "skip":
-                        skipped = torch.tensor([getattr(self, "skipped_samples", 0)], dtype=torch.int64)
-                        dist.all_reduce(skipped)  # ranks of one data-parallel group read the same records
-                        record["skipped_samples"] = int(skipped.item()) // (
-                            self.state.sizes.world_size // self.state.sizes.dp
-                        )
-                    records.append(record)
-                    logger.log(record)
-                logger.advance()
-                if self.saver is not None:
-                    self.saver.poll()
-                if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
-                    self.save()
+            with self.stop.handling_signals():
+                while self.progress.step < tcfg.train_iters:
+                    step = self.progress.step + 1
+                    logged = step % tcfg.log_interval == 0 or step == tcfg.train_iters
+                    tools.step_begin(step)
+                    # no device synchronize: the step's own host sync waits for the previous step's update,
+                    # so in a steady state this is the time per step
+                    t0 = time.perf_counter()
+                    metrics = self.train_step(self._next_micro_batches(), log_memory=logged)
+                    dt = time.perf_counter() - t0
+                    tools.step_end(step)
+                    self.progress.step = step
+                    self.progress.consumed_samples += (
+                        tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
+                    )
+                    self.progress.consumed_tokens += metrics["tokens"]
+                    if logged:
+                        peak = metrics.pop("peak_mem_gb")
+                        record = {"step": step, **metrics, "tokens_per_s": metrics["tokens"] / dt}
+                        record.update(step_time_s=dt, peak_mem_gb=peak)
+                        if cfg.data.dataset_param.on_error == "skip":
+                            record["skipped_samples"] = self.skipped_samples
+                        records.append(record)
+                        logger.log(record)
+                    logger.advance()
+                    if self.saver is not None:
+                        self.saver.poll()
+                    if self.stop.agreed:
+                        self._stop_on_signal(step)
+                    if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
+                        self.save()
             if self.saver is not None:
                 self.saver.wait()
         finally:
@@ -346,16 +457,52 @@ class Trainer:
             logger.close()
         return records
 
+    def _stop_on_signal(self, step: int) -> None:
+        """Every rank saw the stop request at this step: save (unless this step's checkpoint exists) and
+        raise :class:`TrainingInterrupted`."""
+        path = None
+        if self.saver is not None:
+            if self._saved_step != step:
+                self.save()
+            self.saver.wait()
+            path = read_latest(Path(self.cfg.training.save))
+        where = (
+            f"saved {path}; resume with training.load: auto"
+            if path is not None
+            else "nothing saved (training.save is not set)"
+        )
+        raise TrainingInterrupted(f"stopped by {self.stop.signal_name} after step {step}: {where}")
+
     def config_text(self) -> str:
         return yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
 
     def save(self) -> Path:
         """Save a checkpoint of this step (with ``training.save_async``, start one; it completes later)."""
         assert self.saver is not None, "training.save is not set"
+        self._check_weights_finite()
+        self._saved_step = self.progress.step
         path = self.saver.save(self.progress.step, self.train_state, self.config_text())
         if not self.cfg.training.save_async:
             self._info(f"saved checkpoint {path}")
         return path
+
+    def _check_weights_finite(self) -> None:
+        """Refuse to write a checkpoint of non-finite weights (every rank checks its shards, all agree)."""
+        named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()]
+        named = [(n, t) for n, t in named if t.numel()]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named])
+        bad = finite.logical_not().sum().to(self._zero.dtype).reshape(1)
+        dist.all_reduce(bad)
+        if not bad.item():
+            return
+        mine = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
+        shown = ", ".join(mine[:5]) or "tensors on other ranks"
+        saved = read_latest(Path(self.cfg.training.save)) if self.cfg.training.save else None
+        raise NonFiniteError(
+            f"training stopped at step {self.progress.step}: the weights are not finite ({shown}); no "
+            f"checkpoint of them was written (last good checkpoint: {saved or 'none'}); lower training.lr "
+            "or check the data"
+        )
 
     def close(self) -> None:
         if getattr(self, "saver", None) is not None:
