@@ -130,3 +130,56 @@ def test_killed_worker_restarts_and_resumes_to_equal_weights(straight, tmp_path)
     assert ours.keys() == ref.keys()
     for k in ref:
         assert torch.equal(ours[k], ref[k]), k
+
+
+def _spawned_workers(launcher: int) -> list[int]:
+    """The worker processes the ``mm train --nproc-per-node`` launcher ``launcher`` started."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def test_sigterm_to_one_worker_saves_and_resumes_bit_exactly(straight, tmp_path):
+    """SIGTERM to one rank (as a scheduler's preemption would reach it): every rank finishes the same step,
+    the checkpoint is saved and published, the launcher exits with 75, and ``load: auto`` resumes to the same
+    losses as the uninterrupted run."""
+    save = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "mm_core.cli", "train", str(QUICKSTART), *COMMON,
+           "training.save_interval=100", f"training.save={save}", "training.load=auto",
+           f"training.output_dir={tmp_path}", "--nproc-per-node", "2"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, output[-3000:]
+    stopped = read_latest(save)
+    assert stopped is not None and 3 <= int(stopped.name.split("_")[1]) < 10, output[-3000:]
+    assert f"saved {stopped}; resume with training.load: auto" in output, output[-3000:]
+
+    mm(*cmd[3:], timeout=300)  # the same command again: load: auto resumes
+    ref = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(straight)]
+    ours = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(tmp_path)]
+    assert ours == ref
