@@ -21,6 +21,7 @@ SMALL = [
     "training.lr=0.02",
     "training.muon.adamw_lr=0.002",
     "training.log_interval=1",
+    "training.save=null",  # not the repository's outputs/ folder (a test that saves says where)
 ]
 
 

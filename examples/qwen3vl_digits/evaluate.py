@@ -22,8 +22,8 @@ HERE = Path(__file__).resolve().parent
 def accuracy(model: torch.nn.Module, build_dir: Path, limit: int | None = None) -> tuple[float, int]:
     """(exact-match accuracy, number of test images)."""
     from mm_data_vlm.encode import VisionProcessor
+    from mm_data_vlm.images import load_image
     from mm_data_vlm.records import conversation, image_paths
-    from mm_data_vlm.sft import load_image
 
     proc = VisionProcessor.load(str(build_dir / "processor"), 3136, 3136, "evaluate")
     tok = proc.tokenizer
@@ -34,7 +34,8 @@ def accuracy(model: torch.nn.Module, build_dir: Path, limit: int | None = None) 
     for i, rec in enumerate(records):
         turns = conversation(rec, f"test.json[{i}]")
         answer = turns[-1]["content"]
-        pixels = proc.images([load_image(p) for p in image_paths(rec, "", str(build_dir / "data"))])
+        paths = image_paths(rec, "", str(build_dir / "data"))
+        pixels = proc.images([load_image(p, target_pixels=proc.target_pixels) for p in paths])
         prompt_ids, _ = proc.encode(
             turns[:-1] + [{"role": "assistant", "content": ""}], pixels["image_grid_thw"]
         )

@@ -11,8 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mm_core.config.schema import ModelConfig
 from mm_core.errors import ConfigError
-from mm_core.models import ModelHub
-from mm_core.models.hub import model_plans
+from mm_core.models import ModelHub, plan_of
 from mm_core.registry import model_register
 from mm_models_qwen.qwen3 import Qwen3ForTraining
 from mm_parallel.patterns import match_modules
@@ -77,10 +76,10 @@ def test_build_on_meta(config_dir: Path) -> None:
 def test_default_plan_matches_every_layer(tmp_path: Path, n_layers: int) -> None:
     Qwen3Config(**{**TINY, "num_hidden_layers": n_layers}).save_pretrained(tmp_path)
     model = ModelHub.build(args(tmp_path, from_scratch=True), meta=True)
-    plans = model_plans(model)
-    assert plans["fsdp"] == ["model.layers.{*}"]
-    assert plans["recompute"] == ["model.layers.{*}"]
-    hits = match_modules(model, plans["fsdp"])["model.layers.{*}"]
+    plan = plan_of(model)
+    assert plan.fsdp_units == ("model.layers.{*}",)
+    assert plan.recompute_units == ("model.layers.{*}",)
+    hits = match_modules(model, plan.fsdp_units)["model.layers.{*}"]
     assert hits == [f"model.layers.{i}" for i in range(n_layers)]
     layers = {id(layer) for layer in model.model.layers}
     assert hits == [name for name, module in model.named_modules() if id(module) in layers]

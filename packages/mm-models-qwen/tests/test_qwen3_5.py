@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from mm_core.config.schema import ModelConfig
-from mm_core.models import ModelHub
-from mm_core.models.hub import model_plans
+from mm_core.models import ModelHub, plan_of
 from mm_parallel.patterns import match_modules
 
 TEXT = {
@@ -45,8 +44,7 @@ def test_tiny_vl_model_builds_plans_match_and_trains_text_only(model_id):
     )
     torch.manual_seed(0)
     model = ModelHub.build(args)
-    plans = model_plans(model)
-    matched = match_modules(model, plans["fsdp"])
+    matched = match_modules(model, plan_of(model).fsdp_units)
     assert len(matched["model.language_model.layers.{*}"]) == 4
     assert len(matched["model.visual.blocks.{*}"]) == 2
     model.train()

@@ -7,10 +7,13 @@ from torch import nn
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
 from mm_core.models.hub import ModelHub
+from mm_core.models.plan import plan_of
+from mm_core.optim.factory import describe_optimizer
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
 from mm_core.parallel.estimate import estimate_breakdown
 from mm_core.parallel.memory import describe_features, plan_memory_features
 from mm_core.parallel.state import ParallelSizes, resolve_sizes
+from mm_core.preflight import run_preflight
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
 from mm_parallel.device import detect_device_type
 
@@ -49,6 +52,7 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     if cfg.data.dataloader_param.collate_param.name:
         collator_register.get(cfg.data.dataloader_param.collate_param.name)
     optimizer_register.get(cfg.training.optimizer)
+    run_preflight(cfg, out)  # every path the run reads: data, tokenizer/processor, weights, training.load
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     frozen = apply_freeze(model, cfg.model.freeze)
     if sizes.cp > 1:  # the same model checks the trainer makes for context parallelism
@@ -76,6 +80,9 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     if frozen:
         more = " ..." if len(frozen) > 4 else ""
         out(f"frozen      : {len(frozen)} modules ({', '.join(frozen[:4])}{more})")
+    out(f"model plan  : {type(model).__name__} (defaults for plans the YAML leaves out)")
+    for line in plan_of(model).describe():
+        out(line)
     out(f"fsdp units  : from {source}")
     for pat, hits in matched.items():
         shown = ", ".join(hits[:3]) + (f", ... ({len(hits)} modules)" if len(hits) > 3 else "")
@@ -95,11 +102,7 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
         f"gathered units {mem.gathered / GiB:.3f} + activations {mem.activations / GiB:.3f} + backward "
         f"transient {mem.transient / GiB:.3f} (see docs/memory.md)"
     )
-    if tcfg.optimizer == "muon":
-        from mm_core.models.hub import model_plans
-        from mm_core.optim.muon import muon_plan, split_summary
-
-        lines = split_summary(muon_plan(model, tcfg, model_plans(model)))
-        out(f"optimizer   : {lines[0]}")
-        for line in lines[1:]:
-            out(line)
+    lines = describe_optimizer(model, tcfg, plan_of(model))
+    out(f"optimizer   : {lines[0]}")
+    for line in lines[1:]:
+        out(line)

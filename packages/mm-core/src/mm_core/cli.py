@@ -60,7 +60,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-dcp":
             out = convert.hf_to_dcp(args.src, args.dst)
         else:
-            out = convert.dcp_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size)
+            out = convert.dcp_to_hf(
+                args.src,
+                args.dst,
+                max_shard_size=args.max_shard_size,
+                plugins=args.plugin,
+                trust_remote_code=args.trust_remote_code,
+                allow_nonfinite=args.allow_nonfinite,
+            )
         print(f"wrote {out}")
 
     return guarded(go)
@@ -107,6 +114,24 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--max-shard-size", default="5GB", help="dcp-to-hf: largest safetensors file")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="dcp-to-hf: import this module (repeatable) to register the model; modules named inside the "
+        "checkpoint are never imported",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="dcp-to-hf: allow building a model whose code lives in its model_name_or_path folder",
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="dcp-to-hf: export even when the weights hold NaN or inf (refused by default)",
+    )
     return parsers
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -15,13 +16,15 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mm_core.checkpoint import CONFIG_FILE, resolve_load_path
-from mm_core.checkpoint.dcp_io import checkpoint_keys, tied_aliases
+from mm_core.checkpoint.dcp_io import check_shapes, tied_aliases
 from mm_core.checkpoint.layout import is_checkpoint
+from mm_core.checkpoint.reader import load_dcp, read_metadata
 from mm_core.config import validate_config
-from mm_core.errors import CheckpointError
+from mm_core.config.schema import MMConfig
+from mm_core.errors import CheckpointError, ConfigError, PluginError
 from mm_core.lora import is_adapter_key
 from mm_core.models.hub import ModelHub, has_weights
-from mm_core.registry import import_plugins
+from mm_core.registry import model_register
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,9 +84,83 @@ def _hf_base_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = "5GB") -> Path:
+def _import_user_plugins(modules: list[str]) -> None:
+    """Import the modules the user named with ``--plugin`` (never those named inside the checkpoint)."""
+    for mod in modules:
+        if "/" in mod or "\\" in mod or mod.endswith(".py"):
+            raise ConfigError(
+                f"mm convert --plugin: {mod!r} looks like a file path; give a dotted module name, e.g. "
+                "my_pkg.models (or install the plugin so that it registers through entry points)"
+            )
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            raise PluginError(
+                f"mm convert --plugin: cannot import {mod!r} ({exc}); is its package installed?"
+            ) from exc
+
+
+def _check_model_code(cfg: MMConfig, cfg_file: Path, trust_remote_code: bool) -> None:
+    """The model class must come from an installed plugin or a ``--plugin`` module: a checkpoint's saved
+    config names modules (``training.plugin``) and remote code (``model.trust_remote_code``), and mm never
+    runs code because a checkpoint asks for it."""
+    try:
+        model_register.get(cfg.model.model_id)
+    except ConfigError as exc:
+        listed = cfg.training.plugin
+        hint = (
+            f"; the run imported training.plugin {listed} ({cfg_file}), which mm convert does not import "
+            "from a checkpoint: pass --plugin MODULE for a module you trust"
+            if listed
+            else ""
+        )
+        raise ConfigError(f"mm convert dcp-to-hf: {exc}{hint}") from None
+    if cfg.model.trust_remote_code and not trust_remote_code:
+        raise CheckpointError(
+            f"mm convert dcp-to-hf: the run used model.trust_remote_code: true ({cfg_file}), so building its "
+            f"model runs Python code from {cfg.model.model_name_or_path!r}; pass --trust-remote-code if you "
+            "trust that folder"
+        )
+
+
+def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, int, int]]:
+    """``(name, non-finite values, values)`` of each floating-point tensor holding NaN or inf."""
+    bad = []
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad.append((name, n, t.numel()))
+    return bad
+
+
+def _check_finite(model: nn.Module, path: Path) -> None:
+    bad = nonfinite_tensors(model.state_dict())
+    if bad:
+        shown = ", ".join(f"{name} ({n} of {total})" for name, n, total in bad[:3])
+        more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+        raise CheckpointError(
+            f"mm convert dcp-to-hf: {path} holds non-finite weights (NaN or inf): {shown}{more}; the run "
+            "diverged before this save: export an earlier checkpoint, or pass --allow-nonfinite to export "
+            "these weights anyway"
+        )
+
+
+def dcp_to_hf(
+    ckpt: str | Path,
+    dst: str | Path,
+    *,
+    max_shard_size: str | int = "5GB",
+    plugins: list[str] | tuple[str, ...] = (),
+    trust_remote_code: bool = False,
+    allow_nonfinite: bool = False,
+) -> Path:
     """Export the model weights of an mm checkpoint as a Hugging Face folder (sharded safetensors with an
-    index when large), plus the tokenizer files the run used."""
+    index when large), plus the tokenizer files the run used.
+
+    The checkpoint is data: its metadata is read with a restricted unpickler, and no module it names is
+    imported (models come from installed entry points or the ``plugins`` the caller names). Weights that
+    hold NaN or inf are refused unless ``allow_nonfinite``."""
     path = Path(ckpt)
     if not is_checkpoint(path):
         resolved = resolve_load_path(str(path), None)
@@ -98,8 +175,10 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
     import yaml
 
     cfg = validate_config(yaml.safe_load(cfg_file.read_text(encoding="utf-8")), source=str(cfg_file))
-    import_plugins(cfg.training.plugin)
-    stored = {k[len("model.") :] for k in checkpoint_keys(path) if k.startswith("model.")}
+    _import_user_plugins(list(plugins))
+    _check_model_code(cfg, cfg_file, trust_remote_code)
+    metadata = read_metadata(path, where="mm convert dcp-to-hf").state_dict_metadata
+    stored = {k[len("model.") :] for k in metadata if k.startswith("model.")}
     adapters_only = bool(stored) and all(is_adapter_key(k) for k in stored)
     if adapters_only:
         # the base weights are not in the checkpoint: read them from the folder the run started from
@@ -131,12 +210,15 @@ def dcp_to_hf(ckpt: str | Path, dst: str | Path, *, max_shard_size: str | int = 
             f"{' ...' if len(missing) > 5 else ''}); the export would contain untrained values"
         )
     state = {"model": {k: v for k, v in expected.items() if k in stored}}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    check_shapes(path, metadata, {f"model.{k}": v for k, v in state["model"].items()}, "mm convert dcp-to-hf")
+    load_dcp(state, path, allow_partial=False, no_dist=True, where="mm convert dcp-to-hf")
     model.load_state_dict(state["model"], strict=False)
     if cfg.training.lora.enable:
         from mm_core.lora import merge_lora
 
         merge_lora(model)  # adapters folded into the base weights: a plain transformers model again
+    if not allow_nonfinite:
+        _check_finite(model, path)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     if not callable(getattr(model, "save_pretrained", None)):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from mm_core.train.loss import IGNORE_INDEX
 
 
 class PackedStream:

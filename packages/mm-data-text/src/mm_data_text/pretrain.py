@@ -22,7 +22,7 @@ from mm_core.data.params import (
 from mm_core.errors import DataError
 
 from .packing import PackedStream, pack_documents
-from .sources import TEXT_SUFFIXES, read_documents, resolve_paths
+from .sources import TEXT_SUFFIXES, describe_files, first_document, read_documents, resolve_paths
 from .tokenizer import eos_id, load_tokenizer, pad_id
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,33 @@ class TextPretrainDataset(torch.utils.data.Dataset):
             self.seq_len,
             self.dropped_tokens,
         )
+
+    @classmethod
+    def preflight(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """What ``mm check`` verifies without tokenising the corpus: the keys, that every file exists, the
+        tokenizer (local files only), and the first document of every file (read and, for the first file,
+        tokenised). Raises ConfigError/DataError as building the dataset would."""
+        basic = read_params(basic_param, BASIC_FIELDS, BASIC)
+        pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
+        files = resolve_paths(basic["dataset"], basic["dataset_dir"], TEXT_SUFFIXES)
+        tokenizer = load_tokenizer(pre["model_name_or_path"])
+        eos = eos_id(tokenizer) if pre["add_eos"] else None
+        first: str | None = None
+        for path in files:
+            doc = first_document(path, basic["text_key"], basic["txt_document"])
+            first = doc if first is None else first
+        if first is None:
+            raise DataError(f"{', '.join(str(p) for p in files)}: no document in any file")
+        tokens = len(encode_documents(tokenizer, [first], eos)[0])
+        return [
+            f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens); "
+            f"first document: {tokens:,} tokens (seq_len {basic['seq_len']})"
+        ]
 
     def __len__(self) -> int:
         return len(self.stream)

@@ -14,7 +14,7 @@ from mm_core.errors import ConfigError, DataError
 
 from .chat import ChatEncodeError, encode_conversation, uses_generation_markers
 from .packing import IGNORE_INDEX
-from .sources import iter_jsonl, resolve_paths
+from .sources import describe_files, iter_jsonl, resolve_paths
 from .tokenizer import load_tokenizer, pad_id
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,49 @@ class SFTDataset(torch.utils.data.Dataset):
                 continue
             ids_parts.append(torch.tensor(ids, dtype=torch.int32))
             label_parts.append(torch.tensor(labels, dtype=torch.int32))
+
+    @classmethod
+    def preflight(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """What ``mm check`` verifies without encoding every conversation: the keys, that every file exists,
+        the tokenizer and its chat template (local files only), and the first record of every file (checked;
+        the first one encoded). Raises ConfigError/DataError as building the dataset would."""
+        basic = read_params(basic_param, BASIC_FIELDS, BASIC)
+        pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
+        files = resolve_paths(basic["dataset"], basic["dataset_dir"], (".jsonl",))
+        tokenizer = load_tokenizer(pre["model_name_or_path"])
+        template = tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise ConfigError(
+                f"{PREPROCESS}.model_name_or_path: the tokenizer at {pre['model_name_or_path']!r} "
+                "has no (single) chat_template; add one to its tokenizer_config.json"
+            )
+        key = basic["messages_key"]
+        first: tuple[str, list[dict[str, str]]] | None = None
+        for path in files:
+            for lineno, obj in iter_jsonl(path):
+                where = f"{path}:{lineno}"
+                if key not in obj:
+                    raise DataError(
+                        f'{where}: missing key "{key}" (keys present: {", ".join(obj) or "none"})'
+                    )
+                messages = check_messages(obj[key], where, key)
+                first = (where, messages) if first is None else first
+                break
+        if first is None:
+            raise DataError(f"{', '.join(str(p) for p in files)}: no record in any file")
+        try:
+            ids, _ = encode_conversation(tokenizer, first[1], uses_generation_markers(template))
+        except ChatEncodeError as e:
+            raise DataError(f"{first[0]}: {e}") from None
+        return [
+            f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens, chat "
+            f"template); first record: {len(ids):,} tokens (cutoff_len {basic['cutoff_len']})"
+        ]
 
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1

@@ -59,14 +59,20 @@ def resolve_paths(
     return files
 
 
+def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
+    return f"not valid UTF-8 at byte offset {offset} ({e.reason}); save the file as UTF-8"
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, object)`` for each non-blank line; DataError names ``file:line``."""
+    offset = 0  # byte offset of the line in the file
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                raise DataError(f"{path}:{lineno}: {_not_utf8(e, offset + e.start)}") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -82,8 +88,8 @@ def _read_txt(path: Path, txt_document: str) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+        line = path.read_bytes().count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: {_not_utf8(e, e.start)}") from None
     if txt_document == "file":
         return [text] if text.strip() else []
     docs: list[str] = []
@@ -99,22 +105,27 @@ def _read_txt(path: Path, txt_document: str) -> list[str]:
     return docs
 
 
+def _jsonl_text(path: Path, lineno: int, obj: dict[str, Any], text_key: str) -> str:
+    if text_key not in obj:
+        raise DataError(
+            f'{path}:{lineno}: missing key "{text_key}" (keys present: {", ".join(obj) or "none"})'
+        )
+    value = obj[text_key]
+    if not isinstance(value, str):
+        raise DataError(f'{path}:{lineno}: "{text_key}" must be a string, got {type(value).__name__}')
+    return value
+
+
 def _read_jsonl(path: Path, text_key: str) -> list[str]:
     docs: list[str] = []
     for lineno, obj in iter_jsonl(path):
-        if text_key not in obj:
-            raise DataError(
-                f'{path}:{lineno}: missing key "{text_key}" (keys present: {", ".join(obj) or "none"})'
-            )
-        value = obj[text_key]
-        if not isinstance(value, str):
-            raise DataError(f'{path}:{lineno}: "{text_key}" must be a string, got {type(value).__name__}')
+        value = _jsonl_text(path, lineno, obj, text_key)
         if value:
             docs.append(value)
     return docs
 
 
-def _read_parquet(path: Path, text_key: str) -> list[str]:
+def _check_parquet_schema(path: Path, text_key: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -127,6 +138,12 @@ def _read_parquet(path: Path, text_key: str) -> list[str]:
     column_type = schema.field(text_key).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise DataError(f'{path}: column "{text_key}" must hold strings, has type {column_type}')
+
+
+def _read_parquet(path: Path, text_key: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    _check_parquet_schema(path, text_key)
     values = pq.read_table(path, columns=[text_key]).column(text_key).to_pylist()
     docs: list[str] = []
     for row, value in enumerate(values):
@@ -146,3 +163,63 @@ def read_documents(path: Path, text_key: str = "text", txt_document: str = "blan
     if path.suffix == ".parquet":
         return _read_parquet(path, text_key)
     raise DataError(f"{path}: unsupported file type; expected one of {', '.join(TEXT_SUFFIXES)}")
+
+
+#: the most text :func:`first_document` returns (a sample to tokenise, not the whole document)
+FIRST_DOCUMENT_CHARS = 65536
+
+
+def first_document(path: Path, text_key: str = "text", txt_document: str = "blank_line") -> str | None:
+    """The start of the first non-empty document of one file (at most ``FIRST_DOCUMENT_CHARS``), read without
+    reading the rest of the file; the same errors as :func:`read_documents` for what it reads. None when the
+    file holds no document (for preflight checks: ``mm check`` reads this instead of the whole corpus)."""
+    if path.suffix == ".jsonl":
+        for lineno, obj in iter_jsonl(path):
+            value = _jsonl_text(path, lineno, obj, text_key)
+            if value:
+                return value[:FIRST_DOCUMENT_CHARS]
+        return None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        _check_parquet_schema(path, text_key)
+        parquet = pq.ParquetFile(path)
+        row = 0
+        for group in range(parquet.num_row_groups):
+            for value in parquet.read_row_group(group, columns=[text_key]).column(0).to_pylist():
+                if value is None:
+                    raise DataError(f'{path}: row {row}: "{text_key}" is null')
+                if value:
+                    return value[:FIRST_DOCUMENT_CHARS]
+                row += 1
+        return None
+    if path.suffix == ".txt":
+        lines: list[str] = []
+        size, offset = 0, 0
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: {_not_utf8(e, offset + e.start)}") from None
+                offset += len(raw)
+                if txt_document == "blank_line" and not line.strip():
+                    if lines:
+                        break
+                    continue
+                lines.append(line)
+                size += len(line)
+                if size >= FIRST_DOCUMENT_CHARS:
+                    break
+        text = "".join(lines)
+        if txt_document == "blank_line":
+            text = text.rstrip("\n")
+        return text[:FIRST_DOCUMENT_CHARS] if text.strip() else None
+    raise DataError(f"{path}: unsupported file type; expected one of {', '.join(TEXT_SUFFIXES)}")
+
+
+def describe_files(files: list[Path]) -> str:
+    """``N file(s), X MiB (first, ...)`` for ``mm check``."""
+    size = sum(p.stat().st_size for p in files)
+    more = ", ..." if len(files) > 1 else ""
+    return f"{len(files)} file(s), {size / 2**20:.1f} MiB ({files[0]}{more})"

@@ -9,15 +9,32 @@ from mm_core.data.params import PREPROCESS
 from mm_core.errors import ConfigError
 
 
+def check_local_folder(name_or_path: str, key: str = f"{PREPROCESS}.model_name_or_path") -> Path:
+    """The folder ``name_or_path`` names; a ConfigError naming ``key`` when it is not a local folder (a hub
+    id such as ``Qwen/Qwen3-0.6B`` included: mm never downloads)."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ConfigError(
+            f"{key}: {name_or_path!r} is not a local folder (relative paths start at the current directory "
+            f"{Path.cwd()}); mm never downloads, so download the tokenizer first (e.g. `hf download "
+            "<repo> --local-dir <folder>`) and give that folder"
+        )
+    return path
+
+
 def load_tokenizer(name_or_path: str, key: str = f"{PREPROCESS}.model_name_or_path") -> Any:
-    """Load a tokenizer with ``AutoTokenizer.from_pretrained``; a failure is a ConfigError naming ``key``."""
+    """Load a tokenizer from a local folder with ``AutoTokenizer.from_pretrained(..., local_files_only=True)``
+    (never the network); a failure is a ConfigError naming ``key``."""
+    check_local_folder(name_or_path, key)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, ... depending on what is missing
-        where = "" if Path(name_or_path).is_dir() else " (no such local folder)"
-        raise ConfigError(f"{key}: cannot load a tokenizer from {name_or_path!r}{where}: {e}") from None
+        reason = " ".join(str(e).split())
+        raise ConfigError(
+            f"{key}: cannot load a tokenizer from the folder {name_or_path!r}: {reason}"
+        ) from None
 
 
 def eos_id(tokenizer: Any, key: str = f"{PREPROCESS}.model_name_or_path") -> int:

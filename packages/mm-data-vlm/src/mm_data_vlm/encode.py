@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from mm_core.errors import ConfigError
+from mm_core.train.loss import IGNORE_INDEX
 
 from .records import IMAGE_PLACEHOLDER
 
-IGNORE_INDEX = -100
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 
 
@@ -37,18 +37,35 @@ class VisionProcessor:
     image_token_id: int
     merge_size: int
 
+    @property
+    def target_pixels(self) -> int | None:
+        """The most pixels the image processor resizes an image to (Qwen-VL's ``size.longest_edge``,
+        i.e. ``max_pixels``), or None when it does not say."""
+        size = getattr(self.image_processor, "size", None)
+        value = size.get("longest_edge") if hasattr(size, "get") else getattr(size, "longest_edge", None)
+        value = value or getattr(self.image_processor, "max_pixels", None)
+        return int(value) if isinstance(value, int) and value > 0 else None
+
     @classmethod
     def load(cls, path: str, min_pixels: int | None, max_pixels: int | None, key: str) -> VisionProcessor:
+        """Load from a local folder only (never the network); a failure is a ConfigError naming the key."""
         from transformers import AutoImageProcessor, AutoTokenizer
 
         if not (Path(path) / "preprocessor_config.json").is_file():
             raise ConfigError(
                 f"{key}.model_name_or_path: {path!r} is not a local folder with a preprocessor_config.json "
-                "(the model's Hugging Face processor files)"
+                "(the model's Hugging Face processor files; mm never downloads, so download it first, "
+                "e.g. with `hf download`, and give the folder)"
             )
-        tokenizer = AutoTokenizer.from_pretrained(path)
         limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        image_processor = AutoImageProcessor.from_pretrained(path, **limits)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, **limits)
+        except Exception as e:  # noqa: BLE001 - OSError, ValueError, ... depending on what is missing or broken
+            raise ConfigError(
+                f"{key}.model_name_or_path: cannot load the tokenizer and image processor from {path!r}: "
+                + " ".join(str(e).split())
+            ) from None
         ids = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
         if any(i is None or i == tokenizer.unk_token_id for i in ids):
             raise ConfigError(
@@ -61,7 +78,10 @@ class VisionProcessor:
 
     def images(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
         """``pixel_values`` [patches, channels × temporal × patch²] and ``image_grid_thw`` [images, 3]."""
-        out = self.image_processor(images=list(images), return_tensors="pt")
+        try:
+            out = self.image_processor(images=list(images), return_tensors="pt")
+        except ValueError as e:  # e.g. an aspect ratio over 200, which Qwen-VL's resize refuses
+            raise EncodeError(f"the image processor refused the image: {e}") from None
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
     def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:

@@ -36,14 +36,24 @@ def resolve_files(dataset: str | list[str], dataset_dir: str | None, key: str) -
     return files
 
 
+def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
+    return f"not valid UTF-8 at byte offset {offset} ({e.reason}); save the file as UTF-8"
+
+
 def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each record; ``where`` is ``file:line`` (jsonl) or ``file[index]`` (json)."""
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        offset = 0  # byte offset of the line in the file
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: {_not_utf8(e, offset + e.start)}") from None
+                offset += len(raw)
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -52,8 +62,14 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                     raise DataError(f"{where}: a record must be a JSON object")
                 yield where, obj
         return
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: {_not_utf8(e, e.start)}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):

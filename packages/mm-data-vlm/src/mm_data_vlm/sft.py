@@ -22,6 +22,7 @@ from mm_core.data.params import (
 from mm_core.errors import DataError
 
 from .encode import EncodeError, VisionProcessor
+from .images import DEFAULT_MAX_SOURCE_PIXELS, load_image
 from .records import conversation, image_paths, iter_records, resolve_files
 
 logger = logging.getLogger(__name__)
@@ -35,18 +36,9 @@ PREPROCESS_FIELDS = {
     "model_name_or_path": string(),
     "image_max_pixels": optional_positive_int(None),
     "image_min_pixels": optional_positive_int(None),
+    # an image with more pixels (read from its header) is refused before decoding; null: no limit of mm's own
+    "image_max_source_pixels": optional_positive_int(DEFAULT_MAX_SOURCE_PIXELS),
 }
-
-
-def load_image(path: Path) -> Any:
-    """Open an image as RGB; any failure is an ``OSError`` naming the file."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise OSError(f"cannot read image {path}: {e}") from None
 
 
 class VLMSFTDataset(torch.utils.data.Dataset):
@@ -71,6 +63,7 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.cutoff_len: int = basic["cutoff_len"]
         self.on_error: str = getattr(dataset_param, "on_error", "raise")
+        self.max_source_pixels: int | None = pre["image_max_source_pixels"]
         self.processor = VisionProcessor.load(
             pre["model_name_or_path"], pre["image_min_pixels"], pre["image_max_pixels"], PREPROCESS
         )
@@ -98,7 +91,11 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         """The sample for record ``index``; raises DataError naming the record when it cannot be built."""
         where, messages, images = self.records[index]
         try:
-            pixels = self.processor.images([load_image(p) for p in images]) if images else {}
+            target = self.processor.target_pixels
+            loaded = [
+                load_image(p, max_source_pixels=self.max_source_pixels, target_pixels=target) for p in images
+            ]
+            pixels = self.processor.images(loaded) if images else {}
             ids, labels = self.processor.encode(messages, pixels.get("image_grid_thw"))
         except (OSError, EncodeError) as e:
             raise DataError(f"{where}: {e}") from None

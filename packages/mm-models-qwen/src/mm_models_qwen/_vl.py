@@ -1,4 +1,4 @@
-"""Shared by the Qwen vision-language models in mm: per-tower default plans, the idle-vision-tower rule."""
+"""Shared by the Qwen vision-language models in mm: per-tower default plan, the idle-vision-tower rule."""
 
 from __future__ import annotations
 
@@ -6,25 +6,31 @@ from typing import Any, ClassVar
 
 import torch
 
-from mm_core.models import ModelPlans
+from mm_core.models import ModelPlan
 
 #: ``model.freeze`` patterns for the parts users commonly freeze (see the package README)
 VISION_TOWER = "model.visual"
 PROJECTOR = "model.visual.merger"
 
 
-class QwenVLPlans(ModelPlans):
-    """Vision blocks and language layers are separate FSDP (and recompute) units; the patch embedding,
-    projector, embeddings and head stay in the root unit. A mixin in front of a transformers
+#: Vision blocks and language layers are separate FSDP (and recompute) units; the patch embedding, projector,
+#: embeddings and head stay in the root unit. Context parallelism: the vision tower and the 3-D (mRoPE)
+#: positions see the whole sequence; mm splits it at the language model's input, deepstack features (one
+#: row per image token) included.
+QWEN_VL_PLAN = ModelPlan(
+    fsdp_units=("model.visual.blocks.{*}", "model.language_model.layers.{*}"),
+    recompute_units=("model.visual.blocks.{*}", "model.language_model.layers.{*}"),
+    muon_exclude_modules=("model.visual.patch_embed",),
+    cp_split_module="model.language_model",
+    cp_packed_inputs=(("deepstack_visual_embeds", "visual_pos_masks"),),
+)
+
+
+class QwenVLPlans:
+    """The :data:`QWEN_VL_PLAN` and the idle-vision-tower rule. A mixin in front of a transformers
     ``*ForConditionalGeneration`` class, so weights, names and exports are exactly those of transformers."""
 
-    mm_fsdp_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
-    mm_recompute_modules: ClassVar[list[str]] = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
-    mm_muon_exclude_modules: ClassVar[list[str]] = ["model.visual.patch_embed"]
-    # context parallelism: the vision tower and the 3-D (mRoPE) positions see the whole sequence; mm splits
-    # it at the language model's input, deepstack features (one row per image token) included
-    mm_context_parallel_module: ClassVar[str | None] = "model.language_model"
-    mm_context_parallel_packed: ClassVar[dict[str, str]] = {"deepstack_visual_embeds": "visual_pos_masks"}
+    mm_plan: ClassVar[ModelPlan] = QWEN_VL_PLAN
 
     def _idle_vision_tower(self) -> torch.Tensor:
         """Run the vision tower on a blank minimal image and return 0 × its outputs.

@@ -6,13 +6,15 @@ from typing import ClassVar
 
 from transformers import Qwen3ForCausalLM
 
-from mm_core.models import ModelPlans
+from mm_core.models import ModelPlan
 
 
-class Qwen3ForTraining(Qwen3ForCausalLM, ModelPlans):
+class Qwen3ForTraining(Qwen3ForCausalLM):
     """Exactly ``Qwen3ForCausalLM`` (same weights, same names, exports as ``Qwen3ForCausalLM``), plus the
     plans mm uses when the YAML leaves them out: each decoder layer is one FSDP unit and one recompute
     unit; embeddings and the head stay in the root unit."""
 
-    mm_fsdp_modules: ClassVar[list[str]] = ["model.layers.{*}"]
-    mm_recompute_modules: ClassVar[list[str]] = ["model.layers.{*}"]
+    mm_plan: ClassVar[ModelPlan] = ModelPlan(
+        fsdp_units=("model.layers.{*}",),
+        recompute_units=("model.layers.{*}",),
+    )

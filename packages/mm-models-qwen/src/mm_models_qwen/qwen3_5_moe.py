@@ -3,21 +3,30 @@ mm's plans."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from transformers import Qwen3_5MoeForConditionalGeneration
 
-from ._vl import QwenVLPlans
+from mm_core.models import ModelPlan
+
+from ._moe import init_qwen3_5_moe
+from ._vl import QWEN_VL_PLAN, QwenVLPlans
 
 
 class Qwen3_5MoeForTraining(QwenVLPlans, Qwen3_5MoeForConditionalGeneration):
     """Exactly ``Qwen3_5MoeForConditionalGeneration`` plus per-tower default plans: vision blocks and decoder
     layers (attention, router and all experts of a layer together) are FSDP units; the experts are the
-    expert-parallel plan; routers never take Muon."""
+    expert-parallel plan; routers never take Muon. Meta-device init also initialises the routers and the
+    expert-parallel adapters (:func:`~mm_models_qwen._moe.init_qwen3_5_moe`)."""
 
-    mm_ep_modules: ClassVar[list[str]] = ["model.language_model.layers.{*}.mlp.experts"]
-    mm_muon_exclude_modules: ClassVar[list[str]] = [
-        "model.visual.patch_embed",
-        "model.language_model.layers.{*}.mlp.gate",
-        "model.language_model.layers.{*}.mlp.shared_expert_gate",
-    ]
+    mm_plan: ClassVar[ModelPlan] = dataclasses.replace(
+        QWEN_VL_PLAN,
+        expert_modules=("model.language_model.layers.{*}.mlp.experts",),
+        muon_exclude_modules=(
+            "model.visual.patch_embed",
+            "model.language_model.layers.{*}.mlp.gate",
+            "model.language_model.layers.{*}.mlp.shared_expert_gate",
+        ),
+        init_weights=init_qwen3_5_moe,
+    )

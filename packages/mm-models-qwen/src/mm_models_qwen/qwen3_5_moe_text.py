@@ -8,28 +8,22 @@ from typing import ClassVar
 
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-from mm_core.models import ModelPlans
-from mm_parallel.moe import ExpertParallelExperts
+from mm_core.models import ModelPlan
+
+from ._moe import init_qwen3_5_moe
 
 
-class Qwen3_5MoeTextForTraining(Qwen3_5MoeForCausalLM, ModelPlans):
+class Qwen3_5MoeTextForTraining(Qwen3_5MoeForCausalLM):
     """Exactly ``Qwen3_5MoeForCausalLM`` plus mm's default plans: each decoder layer is one FSDP unit and one
     recompute unit; the routed experts (``mlp.experts``) are expert-parallel when
     ``parallel.expert_parallel_size > 1`` while the shared expert stays data-parallel; the router and the
-    shared-expert gate stay out of Muon."""
+    shared-expert gate stay out of Muon. Meta-device init also initialises the routers and the expert-parallel
+    adapters (:func:`~mm_models_qwen._moe.init_qwen3_5_moe`)."""
 
-    mm_fsdp_modules: ClassVar[list[str]] = ["model.layers.{*}"]
-    mm_recompute_modules: ClassVar[list[str]] = ["model.layers.{*}"]
-    mm_ep_modules: ClassVar[list[str]] = ["model.layers.{*}.mlp.experts"]
-    mm_muon_exclude_modules: ClassVar[list[str]] = [
-        "model.layers.{*}.mlp.gate",
-        "model.layers.{*}.mlp.shared_expert_gate",
-    ]
-
-    def initialize_weights(self) -> None:
-        """transformers' initialisation, plus the expert-parallel adapters (which live inside the base model,
-        whose own ``_init_weights`` does not know them): used by meta-device init."""
-        super().initialize_weights()
-        for module in self.modules():
-            if isinstance(module, ExpertParallelExperts):
-                module.reset_parameters(self.config.initializer_range)
+    mm_plan: ClassVar[ModelPlan] = ModelPlan(
+        fsdp_units=("model.layers.{*}",),
+        recompute_units=("model.layers.{*}",),
+        expert_modules=("model.layers.{*}.mlp.experts",),
+        muon_exclude_modules=("model.layers.{*}.mlp.gate", "model.layers.{*}.mlp.shared_expert_gate"),
+        init_weights=init_qwen3_5_moe,
+    )

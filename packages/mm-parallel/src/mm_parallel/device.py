@@ -1,11 +1,18 @@
-"""Device and backend selection for cuda/nccl, npu/hccl (torch_npu imported lazily) and cpu/gloo."""
+"""Device and backend selection for cuda/nccl, npu/hccl (torch_npu imported lazily) and cpu/gloo.
+
+On an accelerator the process group carries two backends, ``cuda:nccl,cpu:gloo`` (``npu:hccl,cpu:gloo``):
+collectives on device tensors go to nccl/hccl, collectives on CPU tensors (checkpoint metadata, object
+collectives, DCP's asynchronous save) to gloo, each backend only ever seeing tensors of its own device.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -15,7 +22,8 @@ def npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
     importlib.import_module("torch_npu")
-    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+    npu = getattr(torch, "npu", None)  # registered by torch_npu
+    return npu is not None and bool(npu.is_available())
 
 
 def detect_device_type() -> str:
@@ -37,8 +45,26 @@ def backend_for(device_type: str) -> str:
         ) from None
 
 
-def device_module(device_type: str):
-    """``torch.cuda`` / ``torch.npu`` for accelerators, ``None`` for cpu."""
+def process_group_backend(device_type: str) -> str:
+    """The ``backend`` argument of ``init_process_group``: ``gloo`` on cpu, else the accelerator's backend
+    for its tensors plus gloo for CPU tensors (``cuda:nccl,cpu:gloo``, ``npu:hccl,cpu:gloo``)."""
+    backend = backend_for(device_type)
+    return backend if device_type == "cpu" else f"{device_type}:{backend},cpu:gloo"
+
+
+def group_backend(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors (``nccl`` for cuda under
+    ``cuda:nccl,cpu:gloo``), from the public ``dist.get_backend`` string; ``""`` when it has none."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in name.split(","))
+    return per_device.get(device_type, "")
+
+
+def device_module(device_type: str) -> Any:
+    """``torch.cuda`` / ``torch.npu`` for accelerators, ``None`` for cpu (typed ``Any``: the two modules
+    share an API but no static type)."""
     return None if device_type == "cpu" else getattr(torch, device_type)
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ def apply_fsdp(
         raise ValueError(
             f"apply_fsdp expects a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
         )
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(  # one set of options for every unit (fully_shard is overloaded)
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy or MixedPrecisionPolicy(),

@@ -1,4 +1,7 @@
-"""Module path patterns: ``model.layers.{*}``, ``model.layers.{0-3}.mlp``, ``visual.*.attn``.
+"""Path patterns: ``model.layers.{*}``, ``model.layers.{0-3}.mlp``, ``visual.*.attn``, ``*.bias``.
+
+The one pattern language of mm, for module paths (plans, ``model.freeze``) and parameter paths (Muon
+exclusions) alike; a pattern matches a whole dotted path:
 
 - ``{*}`` matches one integer path component,
 - ``{a-b}`` matches one integer component in the inclusive range a..b,
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -21,7 +24,7 @@ class PatternError(ValueError):
 
 
 class ModulePattern:
-    """One compiled pattern; ``matches(name)`` tests a dotted module path."""
+    """One compiled pattern; ``matches(name)`` tests a dotted module or parameter path."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -67,6 +70,26 @@ def near_misses(pattern: str, names: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(pattern, shapes, n=n, cutoff=0.5)
 
 
+def match_paths(
+    patterns: Iterable[str], names: Sequence[str], *, kind: str = "module", allow_empty: bool = False
+) -> dict[str, list[str]]:
+    """Map each pattern to the ``names`` (dotted paths of ``kind``: module, parameter) it matches, in order.
+
+    Raises :class:`PatternError` when a pattern matches nothing (unless ``allow_empty``), listing the
+    closest path shapes.
+    """
+    result: dict[str, list[str]] = {}
+    for text in patterns:
+        pat = ModulePattern(text)
+        hits = [name for name in names if pat.matches(name)]
+        if not hits and not allow_empty:
+            close = near_misses(text, names)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise PatternError(f"pattern {text!r} matches no {kind}{hint}")
+        result[text] = hits
+    return result
+
+
 def match_modules(
     model: nn.Module, patterns: Iterable[str], *, allow_empty: bool = False
 ) -> dict[str, list[str]]:
@@ -75,17 +98,7 @@ def match_modules(
     Raises :class:`PatternError` when a pattern matches nothing (unless ``allow_empty``), listing the
     closest module path shapes.
     """
-    names = [name for name, _ in model.named_modules()]
-    result: dict[str, list[str]] = {}
-    for text in patterns:
-        pat = ModulePattern(text)
-        hits = [name for name in names if pat.matches(name)]
-        if not hits and not allow_empty:
-            close = near_misses(text, names)
-            hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise PatternError(f"pattern {text!r} matches no module{hint}")
-        result[text] = hits
-    return result
+    return match_paths(patterns, [name for name, _ in model.named_modules()], allow_empty=allow_empty)
 
 
 def select_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mm_core.checkpoint import layout
 from mm_core.checkpoint.json_state import JsonTensorState
+from mm_core.checkpoint.reader import load_dcp, raise_on_all_ranks, read_metadata
 from mm_core.checkpoint.rng import RNGState
 from mm_core.errors import CheckpointError
 from mm_core.lora import is_adapter_key
@@ -175,7 +176,30 @@ def save_checkpoint(
 
 def checkpoint_keys(path: Path) -> set[str]:
     """Flattened keys stored in a DCP checkpoint (e.g. ``model.lm_head.weight``)."""
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(read_metadata(path).state_dict_metadata)
+
+
+def check_shapes(path: Path, metadata: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    """Every stored tensor that will be loaded has the shape the model expects (``expected`` maps the
+    flattened checkpoint key to a tensor or a shape); a mismatch names the tensor and both shapes."""
+    wrong = []
+    for key, value in expected.items():
+        md = metadata.get(key)
+        if md is None:
+            continue
+        shape = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{where}: {path}: {key} is stored as a pickled object, not a tensor")
+        if tuple(md.size) != shape:
+            wrong.append((key, list(md.size), list(shape)))
+    if wrong:
+        key, saved, want = wrong[0]
+        more = f" ({len(wrong) - 1} more tensors differ)" if len(wrong) > 1 else ""
+        raise CheckpointError(
+            f"{where}: {path}: {key} has shape {saved} in the checkpoint but {want} in this model{more}; the "
+            f"checkpoint was saved from a different model: compare model.* (config_overrides, "
+            f"model_name_or_path) with {path / CONFIG_FILE}"
+        )
 
 
 def tied_aliases(model: nn.Module) -> list[list[str]]:
@@ -186,10 +210,12 @@ def tied_aliases(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _check_model_keys(path: Path, ts: TrainingState, strict: bool) -> tuple[list[str], set[str]]:
-    """Missing model keys (a tied group counts as present when any alias is stored), and the aliases to
-    skip when loading."""
-    stored = {k[len("model.") :] for k in checkpoint_keys(path) if k.startswith("model.")}
+def _check_model_keys(
+    path: Path, ts: TrainingState, strict: bool, keys: set[str]
+) -> tuple[list[str], set[str]]:
+    """Missing model keys (a tied group counts as present when any alias is stored; ``keys`` are the
+    checkpoint's flattened keys), and the aliases to skip when loading."""
+    stored = {k[len("model.") :] for k in keys if k.startswith("model.")}
     expected = set(get_model_state_dict(ts.model))
     skip: set[str] = set()
     for names in tied_aliases(ts.model):
@@ -227,18 +253,29 @@ def load_checkpoint(
     seed, the step and its rank.
     Returns a report: what was loaded, missing model keys, the saving world size, reseeded ranks."""
     path = Path(path)
-    if not layout.is_checkpoint(path):
-        raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    stored_top = {k.split(".", 1)[0] for k in metadata}
-    missing, skip = _check_model_keys(path, ts, strict)
-    states = _states(ts, optim=load_optim, rng=load_rng)
-    states["model"] = ModelState(ts.model, skip=skip | set(missing))
-    states = {k: v for k, v in states.items() if k in stored_top}
-    for name, obj in states.items():
-        if isinstance(obj, JsonTensorState):
-            obj.json_size = int(metadata[f"{name}.json"].size[0])
-    dcp.load(states, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+
+    def plan() -> tuple[dict[str, Any], list[str], set[str]]:
+        # read and checked on every rank; a failure anywhere stops every rank with the same one line
+        if not layout.is_checkpoint(path):
+            raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
+        metadata = read_metadata(path, where="training.load").state_dict_metadata
+        stored_top = {k.split(".", 1)[0] for k in metadata}
+        missing, skip = _check_model_keys(path, ts, strict, set(metadata))
+        model_state = {f"model.{k}": v for k, v in get_model_state_dict(ts.model).items()}
+        check_shapes(path, metadata, model_state, "training.load")
+        states = _states(ts, optim=load_optim, rng=load_rng)
+        states["model"] = ModelState(ts.model, skip=skip | set(missing))
+        states = {k: v for k, v in states.items() if k in stored_top}
+        for name, obj in states.items():
+            if isinstance(obj, JsonTensorState):
+                md = metadata.get(f"{name}.json")
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointError(f"training.load: {path}: {name}.json is missing or not a tensor")
+                obj.json_size = int(md.size[0])
+        return states, missing, stored_top
+
+    states, missing, stored_top = raise_on_all_ranks(plan)
+    load_dcp(states, path, allow_partial=not strict, where="training.load")
     saved_world = ts.progress.world_size if "progress" in states else None
     reseeded = False
     has_rng = any(k.startswith("rng_rank") for k in stored_top)

@@ -28,7 +28,9 @@ def _read_value(raw: str) -> Any:
     if not raw:
         return None
     try:
-        return yaml.safe_load(raw)
+        return yaml.load(raw, Loader=UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"override value {raw!r}: key {exc.key} is given twice") from None
     except yaml.YAMLError:
         if raw.startswith("[") and raw.endswith("]"):
             return [_read_value(item.strip()) for item in raw[1:-1].split(",") if item.strip()]
@@ -53,13 +55,71 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping gives the same key twice (PyYAML would silently keep the last one)."""
+
+    def __init__(self, key: str, first_line: int, second_line: int) -> None:
+        super().__init__(key)
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice, naming the dotted key and both lines.
+
+    The check runs on the composed node tree, before construction, so the full dotted path is known; keys
+    brought in by a merge (``<<: *anchor``) may still be overridden, as YAML intends."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _check_unique_keys(node, (), set())
+        return super().construct_document(node)
+
+
+def _check_unique_keys(node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> None:
+    if id(node) in seen:  # an alias to a node already checked (also stops recursive anchors)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if isinstance(key_node, yaml.ScalarNode):
+                ident = (key_node.tag, key_node.value)
+                line = key_node.start_mark.line + 1
+                if ident in first:
+                    raise _DuplicateKey(".".join([*path, key_node.value]), first[ident], line)
+                first[ident] = line
+                _check_unique_keys(value_node, (*path, key_node.value), seen)
+            else:
+                _check_unique_keys(value_node, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",), seen)
+
+
+def _decode_utf8(data: bytes, path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is a ConfigError naming the line and byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}:{line}: not valid UTF-8 at byte offset {e.start} ({e.reason}); save the file as UTF-8"
+        ) from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a config file into a dict, with errors that name the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(_decode_utf8(path.read_bytes(), path), Loader=UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError(
+            f"{path}:{exc.second_line}: key {exc.key} is given twice (lines {exc.first_line} and "
+            f"{exc.second_line}); YAML would silently keep only the second, so merge them into one"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

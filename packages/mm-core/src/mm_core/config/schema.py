@@ -21,9 +21,12 @@ def _accepts_bool(annotation: Any) -> bool:
 
 
 class Block(BaseModel):
-    """Base of every config block: unknown keys are errors, values are validated on assignment."""
+    """Base of every config block: unknown keys are errors, values are validated on assignment, and float
+    settings must be finite (YAML ``.inf``/``.nan`` are refused: an infinite lr silently trains to NaN)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -65,6 +68,7 @@ class ParallelConfig(Block):
     ring_attention_size: int = Field(1, ge=1)
     expert_parallel_size: int = Field(1, ge=1)
     expert_fully_shard_parallel_size: int | Auto = "auto"
+    timeout_minutes: int = Field(30, ge=1)  # collective timeout of every process group (torch's default: 30)
     fsdp_plan: FSDPPlan = Field(default_factory=FSDPPlan)
     ep_plan: EPPlan = Field(default_factory=EPPlan)
 
@@ -220,6 +224,11 @@ class TrainingConfig(Block):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     muon: MuonConfig = Field(default_factory=MuonConfig)
     output_dir: str | None = None
+    #: an existing output_dir holding another run's metrics.jsonl is refused unless this is true
+    overwrite_output_dir: bool = False
+    #: steps with a non-finite loss or grad norm that may be skipped (no optimizer update) before the run
+    #: stops with an error; 0: the first one stops the run
+    skip_nonfinite_steps: int = Field(0, ge=0)
     progress_bar: bool = True
 
     @property

@@ -1,6 +1,15 @@
-"""Models: the custom-model contract and the hub that builds any registered model."""
+"""Models: the custom-model contract, the model-plan contract and the hub that builds any registered model."""
 
 from mm_core.models.base import BaseModel, ModelArguments, ModelPlans
 from mm_core.models.hub import ModelHub
+from mm_core.models.plan import ModelPlan, init_expert_adapters, plan_of
 
-__all__ = ["BaseModel", "ModelArguments", "ModelHub", "ModelPlans"]
+__all__ = [
+    "BaseModel",
+    "ModelArguments",
+    "ModelHub",
+    "ModelPlan",
+    "ModelPlans",
+    "init_expert_adapters",
+    "plan_of",
+]

@@ -1,9 +1,8 @@
-"""The contract a custom (non-Hugging-Face) model implements, and the default plans any model may supply."""
+"""The contract a custom (non-Hugging-Face) model implements; default plans: :mod:`mm_core.models.plan`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
 
 from torch import nn
 
@@ -14,32 +13,14 @@ ModelArguments = ModelConfig
 
 
 class ModelPlans:
-    """Default plans a model class may declare, so a user's YAML can omit them.
-
-    Hugging Face model classes registered with mm (e.g. a subclass of ``Qwen3ForCausalLM``) and custom
-    :class:`BaseModel` classes both use these class attributes. Patterns use the syntax of
-    ``parallel.fsdp_plan.apply_modules``.
-    """
-
-    #: modules wrapped as their own FSDP units before the root
-    mm_fsdp_modules: ClassVar[list[str]] = []
-    #: modules whose activations are recomputed in backward when ``model.recompute`` is on
-    mm_recompute_modules: ClassVar[list[str]] = []
-    #: expert modules split over the expert-parallel mesh
-    mm_ep_modules: ClassVar[list[str]] = []
-    #: modules whose weights must not take Muon even if 2-D (e.g. routers)
-    mm_muon_exclude_modules: ClassVar[list[str]] = []
-    #: context parallelism for models with other towers (vision): the module whose inputs are the whole
-    #: sequence after the towers' features are merged and positions computed (e.g. the language model); mm
-    #: splits the sequence at its input. None: the batch is split before the model (text decoders only).
-    mm_context_parallel_module: ClassVar[str | None] = None
-    #: inputs of that module holding one row per True of a ``[batch, seq]`` mask input (value: the mask's
-    #: name), e.g. features added at the image tokens; mm keeps the rows of this rank's tokens
-    mm_context_parallel_packed: ClassVar[dict[str, str]] = {}
+    """Deprecated mixin, kept so that ``class M(SomeHFModel, ModelPlans)`` still imports: declare
+    ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)`` instead (see :mod:`mm_core.models.plan`). The old
+    ``mm_*`` class attributes are still read by :func:`~mm_core.models.plan.plan_of`."""
 
 
-class BaseModel(ModelPlans, ABC):
-    """A custom model: ``class MyModel(torch.nn.Module, BaseModel)``.
+class BaseModel(ABC):
+    """A custom model: ``class MyModel(torch.nn.Module, BaseModel)``; default plans go in
+    ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)`` (see :class:`~mm_core.models.plan.ModelPlan`).
 
     ``forward(**batch)`` receives the collated batch (plus keyword arguments such as ``use_cache``) and
     returns an object with ``.loss`` (and ``.logits`` when mm computes the loss, see ``model.loss_cfg``).

@@ -70,7 +70,9 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
                 "config.json "
                 "(mm never downloads; point it at a folder on disk)"
             )
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=args.trust_remote_code, local_files_only=True
+        )
     else:
         config = model_cls.config_class()
     config = _update_config(config, args.config_overrides, "model.config_overrides")
@@ -112,6 +114,7 @@ class ModelHub:
                     config=config,
                     attn_implementation=args.attn_implementation,
                     dtype=torch.float32,
+                    local_files_only=True,
                 )
             return model
         if isinstance(cls, type) and issubclass(cls, BaseModel):
@@ -123,13 +126,3 @@ class ModelHub:
             f"model.model_id: {args.model_id!r} is registered to {cls!r}, which is neither a "
             "transformers PreTrainedModel subclass nor an mm_core.models.BaseModel subclass"
         )
-
-
-def model_plans(model: nn.Module) -> dict[str, list[str]]:
-    """The default plans a model class declares (empty lists when it declares none)."""
-    return {
-        "fsdp": list(getattr(model, "mm_fsdp_modules", []) or []),
-        "recompute": list(getattr(model, "mm_recompute_modules", []) or []),
-        "ep": list(getattr(model, "mm_ep_modules", []) or []),
-        "muon_exclude": list(getattr(model, "mm_muon_exclude_modules", []) or []),
-    }

@@ -1,12 +1,62 @@
-"""Optimizers registered in ``mm.optimizers``: a factory ``(model, training_cfg, plans) -> Optimizer``."""
+"""Optimizers registered in ``mm.optimizers``.
+
+An entry point names either a bare factory ``(model, training_cfg, plan: ModelPlan) -> Optimizer`` or an
+:class:`OptimizerPlugin`, which wraps such a factory with optional hooks: its gradient-clipping policy, its
+summary for ``mm check`` and its state size for the memory estimate. mm reads an optimizer's behaviour only
+through these hooks, never through its name.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mm_core.config.schema import TrainingConfig
 from mm_core.registry import optimizer_register
+
+if TYPE_CHECKING:
+    from mm_core.models.plan import ModelPlan
+
+#: which parameters' gradients the global-norm clip scales (see :func:`mm_parallel.grad.clip_grad_norm_`)
+ParamFilter = Callable[[nn.Parameter], bool]
+OptimizerFactory = Callable[[nn.Module, TrainingConfig, "ModelPlan"], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class OptimizerPlugin:
+    """An ``mm.optimizers`` entry: a factory plus optional hooks; callable as the factory itself."""
+
+    #: ``(model, training_cfg, plan) -> Optimizer``
+    build: OptimizerFactory
+    #: ``(optimizer, training_cfg) -> filter or None``: the parameters whose gradients ``training.clip_grad``
+    #: scales (the norm is always over every gradient); None, or a hook returning None: all of them
+    clip_policy: Callable[[torch.optim.Optimizer, TrainingConfig], ParamFilter | None] | None = None
+    #: ``(model, training_cfg, plan) -> lines`` for ``mm check`` (the first follows ``optimizer   :``);
+    #: None: the registry name and the trainable-parameter count
+    describe: Callable[[nn.Module, TrainingConfig, ModelPlan], list[str]] | None = None
+    #: fp32 state tensors kept per trainable parameter (AdamW: 2 moments), for the memory estimate
+    states_per_param: float = 2.0
+
+    def __call__(self, model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -> torch.optim.Optimizer:
+        return self.build(model, cfg, plan)
+
+
+@dataclass(frozen=True)
+class BuiltOptimizer:
+    """What the trainer gets: the optimizer and its clipping policy (None: clipping scales every gradient)."""
+
+    optimizer: torch.optim.Optimizer
+    clip_scale_only: ParamFilter | None = None
+
+
+def optimizer_plugin(name: str) -> OptimizerPlugin:
+    """The registered optimizer ``name`` (``training.optimizer``); a bare factory gets the default hooks."""
+    obj = optimizer_register.get(name)
+    return obj if isinstance(obj, OptimizerPlugin) else OptimizerPlugin(build=obj)
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -19,7 +69,9 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> torch.optim.Optimizer:
+def build_adamw(
+    model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = None
+) -> torch.optim.Optimizer:
     """AdamW with ``training.adam_*``; fused kernels on accelerators when ``training.adam_fused``."""
     device_type = next(model.parameters()).device.type
     fused = cfg.adam_fused and device_type in ("cuda", "npu")
@@ -33,9 +85,18 @@ def build_adamw(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None
     )
 
 
-def build_optimizer(
-    model: nn.Module, cfg: TrainingConfig, plans: dict | None = None
-) -> torch.optim.Optimizer:
-    """Look up ``training.optimizer`` in the registry and build it."""
-    factory = optimizer_register.get(cfg.optimizer)
-    return factory(model, cfg, plans or {})
+def build_optimizer(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -> BuiltOptimizer:
+    """Look up ``training.optimizer`` in the registry, build it and ask for its clipping policy."""
+    plugin = optimizer_plugin(cfg.optimizer)
+    optimizer = plugin.build(model, cfg, plan)
+    policy = plugin.clip_policy(optimizer, cfg) if plugin.clip_policy is not None else None
+    return BuiltOptimizer(optimizer, policy)
+
+
+def describe_optimizer(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -> list[str]:
+    """The optimizer's own summary for ``mm check`` (its ``describe`` hook), without building it."""
+    plugin = optimizer_plugin(cfg.optimizer)
+    if plugin.describe is not None:
+        return plugin.describe(model, cfg, plan)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [f"{cfg.optimizer} over {len(trainable)} tensors ({sum(p.numel() for p in trainable):,} elements)"]

@@ -4,49 +4,54 @@ Muon groups use ``training.lr`` and ``training.weight_decay``; AdamW groups use 
 (default ``training.lr``), ``training.adam_beta1/adam_beta2/adam_eps``, and ``training.weight_decay`` on
 their matrices (embeddings, head) but not on 1-D parameters, as ``training.optimizer: adamw`` does.
 The LR scheduler scales every group by the same factor, so each group keeps its own base lr.
+The registry entry :data:`build_muon` is an :class:`~mm_core.optim.factory.OptimizerPlugin`: its clipping
+policy (``training.muon.clip_muon_params: false`` scales only AdamW gradients), its ``mm check`` summary
+(the Muon/AdamW split) and its state size (one momentum buffer) are hooks, read by mm without its name.
 """
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import re
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mm_core.config.schema import TrainingConfig
 from mm_core.errors import ConfigError
+from mm_core.models.plan import ModelPlan
+from mm_core.optim.factory import OptimizerPlugin, ParamFilter
 from mm_core.parallel.apply import to_dtype
-from mm_parallel.grad import total_grad_norm
+from mm_parallel.grad import clip_grad_norm_
 from mm_parallel.optim import Muon, MuonParamPlan, classify_muon_params
 from mm_parallel.patterns import ModulePattern, PatternError, match_modules
 
 EXCLUDE_KEY = "training.muon.exclude"
 
 
-def muon_plan(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> MuonParamPlan:
-    """The Muon/AdamW split for ``model``: the classifier's rules, ``training.muon.exclude`` and the model's
-    ``mm_muon_exclude_modules`` (``plans["muon_exclude"]``).
+def muon_plan(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = None) -> MuonParamPlan:
+    """The Muon/AdamW split for ``model``: the classifier's rules, ``training.muon.exclude`` and the model
+    plan's ``muon_exclude_modules``.
 
-    An ``exclude`` entry is an fnmatch pattern on parameter names (``model.layers.*.mlp.gate.weight``) or a
-    module path pattern (``model.layers.{*}.mlp.gate``: everything inside the modules it matches); it must
-    match something, else :class:`ConfigError` naming ``training.muon.exclude``.
+    An ``exclude`` entry is a pattern in mm's one pattern language (``{*}`` one integer component, ``{a-b}``
+    a range, ``*`` any text inside one component) matched against parameter paths
+    (``model.layers.{*}.mlp.gate.weight``, ``model.layers.*.self_attn.*_proj.bias``) and module paths
+    (``model.layers.{*}.mlp.gate``: everything inside the modules it matches); it must match something,
+    else :class:`ConfigError` naming ``training.muon.exclude`` and the closest names.
     """
     param_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     module_names = [n for n, _ in model.named_modules() if n]
     name_patterns: list[str] = []
     module_patterns: list[str] = []
     for pattern in cfg.muon.exclude:
-        by_name = any(fnmatch.fnmatchcase(n, pattern) for n in param_names)
         try:
-            by_module = any(ModulePattern(pattern).matches(n) for n in module_names)
-        except PatternError:
-            by_module = False
+            compiled = ModulePattern(pattern)
+        except PatternError as exc:
+            raise ConfigError(f"{EXCLUDE_KEY}: {exc}") from None
+        by_name = any(compiled.matches(n) for n in param_names)
+        by_module = any(compiled.matches(n) for n in module_names)
         if by_name:
             name_patterns.append(pattern)
         if by_module:
@@ -54,16 +59,16 @@ def muon_plan(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) 
         if not (by_name or by_module):
             hint = _closest(pattern, param_names)
             raise ConfigError(
-                f"{EXCLUDE_KEY}: pattern {pattern!r} matches no parameter name (fnmatch) and no module path "
-                f"of the model.{hint}"
+                f"{EXCLUDE_KEY}: pattern {pattern!r} matches no parameter path and no module path of the "
+                f"model ({{*}} is one integer component, * any text inside one component).{hint}"
             )
     modules = dict(model.named_modules())
     # the model's defaults may name modules that this configuration of the model does not have
-    model_default = list((plans or {}).get("muon_exclude", []))
+    model_default = list((plan or ModelPlan()).muon_exclude_modules)
     try:
         matched = match_modules(model, model_default, allow_empty=True)
     except PatternError as exc:
-        raise ConfigError(f"mm_muon_exclude_modules of {type(model).__name__}: {exc}") from None
+        raise ConfigError(f"ModelPlan.muon_exclude_modules of {type(model).__name__}: {exc}") from None
     matched.update(match_modules(model, module_patterns))
     excluded = [modules[n] for hits in matched.values() for n in hits]
     return classify_muon_params(model, exclude=name_patterns, exclude_modules=excluded)
@@ -93,20 +98,20 @@ def muon_groups(plan: MuonParamPlan, cfg: TrainingConfig) -> list[dict[str, Any]
     return [g for g in groups if g["params"]]
 
 
-def build_muon(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None) -> torch.optim.Optimizer:
-    """The ``mm.optimizers`` factory for ``muon`` (see docs/muon.md)."""
+def make_muon(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = None) -> torch.optim.Optimizer:
+    """The factory of ``training.optimizer: muon`` (see docs/muon.md)."""
     m = cfg.muon
     ns_dtype = to_dtype(m.ns_dtype)
     if ns_dtype not in (torch.bfloat16, torch.float32):
         raise ConfigError(f"training.muon.ns_dtype: {m.ns_dtype!r} is not supported; use bf16 or fp32")
-    plan = muon_plan(model, cfg, plans)
-    if not plan.muon_names:
+    split = muon_plan(model, cfg, plan)
+    if not split.muon_names:
         raise ConfigError(
             "training.optimizer: muon, but no parameter takes Muon (all excluded or not matrices); "
             "check training.muon.exclude or use adamw"
         )
     return Muon(
-        muon_groups(plan, cfg),
+        muon_groups(split, cfg),
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=m.momentum,
@@ -119,30 +124,26 @@ def build_muon(model: nn.Module, cfg: TrainingConfig, plans: dict | None = None)
     )
 
 
-def _scale_(grads: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
-    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else (None, ())
-        buckets[(*key, g.device)].append(g)
-    for bucket in buckets.values():
-        torch._foreach_mul_(bucket, coef.to(bucket[0].device))
+def adamw_params(optimizer: torch.optim.Optimizer) -> ParamFilter:
+    """A filter accepting the parameters of the optimizer's AdamW groups (``use_muon: False``)."""
+    adamw = {id(p) for g in optimizer.param_groups if not g.get("use_muon", True) for p in g["params"]}
+    return lambda p: id(p) in adamw
 
 
-@torch.no_grad()
+def clip_policy(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> ParamFilter | None:
+    """``training.muon.clip_muon_params: false``: the global norm is over every gradient (returned and
+    logged), but only the gradients of AdamW groups are scaled. Muon's update is orthogonalised, hence
+    invariant to the scale of its gradient (up to ``eps`` and momentum mixing), so clipping it mostly
+    reweights the momentum history. ``true`` (default): every gradient is scaled."""
+    return None if cfg.muon.clip_muon_params else adamw_params(optimizer)
+
+
 def clip_grad_norm_adamw_only_(
     params: list[nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float | None
 ) -> torch.Tensor:
-    """``training.muon.clip_muon_params: false``: the global norm over all ``params`` (returned and logged),
-    but only the gradients of AdamW groups are scaled. Muon's update is orthogonalised, hence invariant
-    to the scale of its gradient (up to ``eps`` and momentum mixing), so clipping it mostly reweights the
-    momentum history."""
-    params = [p for p in params if p.grad is not None]
-    total = total_grad_norm(params)
-    if max_norm:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        adamw = {id(p) for g in optimizer.param_groups if not g.get("use_muon", True) for p in g["params"]}
-        _scale_([p.grad for p in params if id(p) in adamw], coef)
-    return total
+    """:func:`mm_parallel.grad.clip_grad_norm_` scaling only the AdamW groups' gradients (see
+    :func:`clip_policy`)."""
+    return clip_grad_norm_(params, max_norm, scale_only=adamw_params(optimizer))
 
 
 def split_summary(plan: MuonParamPlan, names_per_reason: int = 3) -> list[str]:
@@ -162,3 +163,12 @@ def split_summary(plan: MuonParamPlan, names_per_reason: int = 3) -> list[str]:
         shown = ", ".join(names[:names_per_reason]) + (", ..." if len(names) > names_per_reason else "")
         lines.append(f"  {'muon ' if use_muon else 'adamw'} {len(names):>4}  {reason}: {shown}")
     return lines
+
+
+def describe(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -> list[str]:
+    """The ``mm check`` summary: the Muon/AdamW split (see :func:`split_summary`)."""
+    return split_summary(muon_plan(model, cfg, plan))
+
+
+#: the ``mm.optimizers`` entry ``muon``
+build_muon = OptimizerPlugin(build=make_muon, clip_policy=clip_policy, describe=describe, states_per_param=1)

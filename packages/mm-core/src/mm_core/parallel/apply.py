@@ -13,7 +13,9 @@ from torch import nn
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
 from mm_core.lora import apply_lora, check_lora_settings
-from mm_core.models.hub import has_weights, model_plans
+from mm_core.models.hub import has_weights
+from mm_core.models.output import normalize_outputs
+from mm_core.models.plan import plan_of
 from mm_core.parallel.experts import apply_expert_parallel
 from mm_core.parallel.memory import apply_memory_features, apply_prefetch
 from mm_core.parallel.state import ParallelState
@@ -46,7 +48,7 @@ def fsdp_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
     """The FSDP unit patterns and where they came from (the YAML, or the model's default plan)."""
     if cfg.parallel.fsdp_plan.apply_modules:
         return list(cfg.parallel.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules"
-    return model_plans(model)["fsdp"], f"default plan of {type(model).__name__}"
+    return list(plan_of(model).fsdp_units), f"default plan of {type(model).__name__}"
 
 
 def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
@@ -113,6 +115,8 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
     # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after
     apply_memory_features(model, cfg, state.device.type)
     unit_names = {id(m): n for n, m in model.named_modules()}
+    # before fully_shard's own hook: FSDP2 must see the output's tensors to hook the root unit's backward
+    normalize_outputs(model)
     sharded = apply_fsdp(
         model,
         state.fsdp_mesh,
@@ -128,7 +132,8 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
 
 @torch.no_grad()
 def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> None:
-    """Allocate a meta-built (and sharded) model on ``device`` and run its ``init_weights()``.
+    """Allocate a meta-built (and sharded) model on ``device`` and run its ``init_weights()``, then the
+    ``init_weights`` hook of its :class:`~mm_core.models.plan.ModelPlan` (e.g. for expert-parallel adapters).
 
     With ``init=False`` (weights will be loaded next) the parameters are then filled with NaN, so that any
     parameter the checkpoint does not provide is caught by :func:`check_initialised`, by name; buffers keep
@@ -147,6 +152,9 @@ def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> N
             "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
         )
     init_fn()
+    hook = plan_of(model).init_weights
+    if hook is not None:
+        hook(model)
     if init:
         check_initialised(model)
         return
@@ -158,12 +166,15 @@ def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> N
 def check_initialised(model: nn.Module) -> None:
     """Raise if any floating parameter or buffer still holds NaN after initialisation or loading."""
     bad = []
+    device = torch.device("cpu")
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point():
             local = t.to_local() if hasattr(t, "to_local") else t
+            device = local.device
             if torch.isnan(local).any():
                 bad.append(name)
-    flag = torch.tensor([len(bad)], dtype=torch.int64)
+    # on the model's device, so the accelerator backend (nccl/hccl) runs it, like every other collective
+    flag = torch.tensor([len(bad)], dtype=torch.int64, device=device)
     if dist.is_initialized():
         dist.all_reduce(flag)  # every rank must agree, or the ones that did not raise would hang
     if flag.item() and not bad:

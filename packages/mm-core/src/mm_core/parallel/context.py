@@ -10,7 +10,7 @@
   sequence first, the sequence is padded to a multiple of the layout (padding is never attended to and
   its targets are -100, so the loss does not change), and every sequence-shaped field is cut to this rank's
   tokens. The layout travels to every attention layer as the keyword argument :data:`LAYOUT_KWARG`.
-- Models with other towers (vision-language) name in ``mm_context_parallel_module`` the module whose inputs
+- Models with other towers (vision-language) name in ``ModelPlan.cp_split_module`` the module whose inputs
   are the whole sequence once the image features are merged and the (3-D) positions computed, e.g. the
   language model. Their batch is only padded, so the towers and the position ids see the whole sequence;
   a forward pre-hook on that module (:func:`shard_module_inputs`) cuts its inputs to this rank's tokens.
@@ -26,7 +26,9 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
+from mm_core.models.plan import plan_of
 from mm_core.parallel.state import ParallelSizes, ParallelState
+from mm_core.train.loss import IGNORE_INDEX
 from mm_parallel.context import (
     PAD_SEGMENT,
     SequenceLayout,
@@ -36,7 +38,6 @@ from mm_parallel.context import (
     segments_from_positions,
 )
 
-IGNORE_INDEX = -100  # the loss target of positions that do not count (as in mm_core.train.loss)
 ATTENTION_NAME = "mm_context_parallel"
 LAYOUT_KWARG = "mm_sequence_layout"
 
@@ -105,14 +106,14 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
     towers = [name for name in getattr(config, "sub_configs", {}) if name != "text_config"]
     text = getattr(config, "text_config", None) or config
     kinds = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]) - {"full_attention"})
-    split_at = getattr(model, "mm_context_parallel_module", None)
+    split_at = plan_of(model).cp_split_module
     if (towers and not split_at) or kinds:
         what = f"layers of type {kinds}" if kinds else f"sub-models {towers}"
         raise ConfigError(
             f"parallel.{key}: model {cfg.model.model_id!r} has {what}; context parallelism supports "
             "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe), with other towers "
-            "only when the model class names where to split the sequence (mm_context_parallel_module, "
-            "e.g. qwen3_vl)"
+            "only when the model's plan names where to split the sequence (ModelPlan.cp_split_module, "
+            "formerly the class attribute mm_context_parallel_module; e.g. qwen3_vl)"
         )
     heads = getattr(text, "num_attention_heads", None)
     if sizes.ulysses > 1 and heads is not None and heads % sizes.ulysses:
@@ -174,7 +175,7 @@ def _split_hook(packed: dict[str, str]) -> Callable[..., tuple[tuple, dict[str, 
         if any(isinstance(a, torch.Tensor) for a in args):
             raise RuntimeError(
                 f"context parallel: {type(module).__name__} was called with positional tensors; the split "
-                "point (mm_context_parallel_module) must receive its inputs as keyword arguments"
+                "point (ModelPlan.cp_split_module) must receive its inputs as keyword arguments"
             )
         return args, shard_module_inputs(kwargs, layout, packed)
 
@@ -185,7 +186,7 @@ class ContextParallel:
     """Per-rank context-parallel state: sizes, this rank's ring/Ulysses coordinates and process groups.
 
     ``split_module`` is None when the batch is split before the model (text decoders), else the module at
-    whose input the sequence is split (see ``ModelPlans.mm_context_parallel_module``)."""
+    whose input the sequence is split (see ``ModelPlan.cp_split_module``)."""
 
     def __init__(self, state: ParallelState, split_module: nn.Module | None = None) -> None:
         sizes = state.sizes
@@ -204,16 +205,16 @@ class ContextParallel:
         if state.sizes.cp == 1:
             return None
         use_context_parallel_attention(model, cfg, state.sizes)
-        path = getattr(model, "mm_context_parallel_module", None)
+        plan = plan_of(model)
+        path = plan.cp_split_module
         towers = [name for name in getattr(model.config, "sub_configs", {}) if name != "text_config"]
         if not towers or not path:
             return cls(state)
         try:
             split_module = model.get_submodule(path)
         except AttributeError as exc:
-            raise ConfigError(f"mm_context_parallel_module of {type(model).__name__}: {exc}") from None
-        packed = dict(getattr(model, "mm_context_parallel_packed", {}) or {})
-        split_module.register_forward_pre_hook(_split_hook(packed), with_kwargs=True)
+            raise ConfigError(f"ModelPlan.cp_split_module of {type(model).__name__}: {exc}") from None
+        split_module.register_forward_pre_hook(_split_hook(plan.cp_packed), with_kwargs=True)
         return cls(state, split_module)
 
     def shard(
@@ -262,7 +263,8 @@ class ContextParallel:
         return out, targets
 
     @staticmethod
-    def local_tokens(batch: dict[str, Any]) -> int:
-        """Real (not padding) tokens this rank holds of a batch returned by :meth:`shard`."""
+    def local_tokens(batch: dict[str, Any]) -> torch.Tensor:
+        """Real (not padding) tokens this rank holds of a batch returned by :meth:`shard` (a 0-dim tensor on
+        the batch's device: counting them needs no host sync)."""
         layout: SequenceLayout = batch[LAYOUT_KWARG]
-        return int((layout.shard(layout.segments) != PAD_SEGMENT).sum())
+        return (layout.shard(layout.segments) != PAD_SEGMENT).sum()

@@ -123,7 +123,9 @@ def estimate_breakdown(
     unit_sizes = [_numel(modules[n]) for n in unit_names if n]
     root = total - sum(unit_sizes)
     biggest = max(unit_sizes, default=0)
-    moments = 1 if cfg.training.optimizer == "muon" else 2
+    from mm_core.optim.factory import optimizer_plugin
+
+    moments = optimizer_plugin(cfg.training.optimizer).states_per_param
     gathered = root * param_bytes + (1 + plan.num_to_forward_prefetch) * biggest * param_bytes
     acts, transient = estimate_activations(model, cfg, recompute, offload, device_type)
     return MemoryBreakdown(

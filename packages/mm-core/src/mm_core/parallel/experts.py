@@ -1,8 +1,9 @@
 """Expert parallelism from the YAML: ``parallel.expert_parallel_size`` and ``parallel.ep_plan``.
 
-The expert modules named by ``parallel.ep_plan.apply_modules`` (or the model's default ``mm_ep_modules``) are
-replaced, in the model's own module tree, by mm-parallel's :class:`ExpertParallelExperts` (or the model's
-``mm_expert_adapter`` subclass of it): experts split over the ``ep`` dimension of
+The expert modules named by ``parallel.ep_plan.apply_modules`` (or the model's default
+``ModelPlan.expert_modules``) are replaced, in the model's own module tree, by mm-parallel's
+:class:`ExpertParallelExperts` (or the ``ModelPlan.expert_adapter`` subclass of it): experts split over the
+``ep`` dimension of
 ``ParallelState.expert_mesh`` and FSDP2-sharded over ``efsdp`` (x ``dp_replicate``). Also here: the router
 load-balancing loss added to the training loss (``model.loss_cfg.router_aux_loss_coef``).
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from mm_core.config.schema import LossConfig, MMConfig
 from mm_core.errors import ConfigError
-from mm_core.models.hub import model_plans
+from mm_core.models.plan import plan_of
 from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_experts, swap_experts
 from mm_parallel.patterns import PatternError, match_modules
@@ -31,7 +32,7 @@ def ep_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
     """The expert module patterns and where they came from (the YAML, or the model's default plan)."""
     if cfg.parallel.ep_plan.apply_modules:
         return list(cfg.parallel.ep_plan.apply_modules), KEY
-    return model_plans(model)["ep"], f"default ep plan of {type(model).__name__}"
+    return list(plan_of(model).expert_modules), f"default ep plan of {type(model).__name__}"
 
 
 def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tuple[list[str], str]:
@@ -43,7 +44,7 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
     if not patterns:
         raise ConfigError(
             f"parallel.expert_parallel_size: got {ep}; {type(model).__name__} declares no default expert "
-            f"plan (mm_ep_modules), so set {KEY} to its fused experts modules "
+            f"plan (ModelPlan.expert_modules), so set {KEY} to its fused experts modules "
             "(e.g. model.layers.{*}.mlp.experts)"
         )
     try:
@@ -79,7 +80,7 @@ def apply_expert_parallel(
         return []
     sizes = state.sizes
     ep_mesh = state.expert_mesh["ep"] if sizes.ep > 1 else None
-    adapter = getattr(model, "mm_expert_adapter", None) or ExpertParallelExperts
+    adapter = plan_of(model).expert_adapter or ExpertParallelExperts
     swapped = swap_experts(model, names, ep_mesh, adapter=adapter)
     if sizes.ep > 1:
         mesh = state.expert_mesh

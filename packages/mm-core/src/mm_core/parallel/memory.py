@@ -14,7 +14,7 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
-from mm_core.models.hub import model_plans
+from mm_core.models.plan import plan_of
 from mm_parallel.memory import ActivationOffloader, ExecutionOrderPrefetch, apply_recompute, resolve_ops
 from mm_parallel.patterns import PatternError, match_modules
 
@@ -43,12 +43,12 @@ def _plan_modules(model: nn.Module, patterns: list[str], key: str, what: str) ->
     """The YAML patterns, or the model's default recompute plan (block granularity) when empty."""
     source = key
     if not patterns:
-        patterns = model_plans(model)["recompute"]
+        patterns = list(plan_of(model).recompute_units)
         source = f"{key} (empty; default plan of {type(model).__name__})"
         if not patterns:
             raise ConfigError(
                 f"{key}: empty, and {type(model).__name__} declares no default plan "
-                f"(mm_recompute_modules); list the modules to {what}, e.g. [model.layers.{{*}}]"
+                f"(ModelPlan.recompute_units); list the modules to {what}, e.g. [model.layers.{{*}}]"
             )
     return _matched(model, list(patterns), source)
 

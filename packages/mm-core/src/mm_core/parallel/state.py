@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from mm_core.config.schema import ParallelConfig
 from mm_core.errors import ConfigError
-from mm_parallel.device import backend_for, detect_device_type, set_local_device
+from mm_parallel.device import detect_device_type, process_group_backend, set_local_device
 
 
 @dataclass(frozen=True)
@@ -167,48 +167,85 @@ class ParallelState:
         return replicate * self.sizes.dp_shard + shard
 
 
-def build_meshes(device_type: str, sizes: ParallelSizes) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+def build_meshes(
+    device_type: str, sizes: ParallelSizes, timeout: datetime.timedelta | None = None
+) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
     """The world mesh, the FSDP shard mesh and (with expert parallelism) the expert mesh, in the same rank
-    order: within a replica, ranks are numbered ``dp_shard``-major, then ring, then Ulysses."""
-    world = init_device_mesh(
-        device_type,
+    order: within a replica, ranks are numbered ``dp_shard``-major, then ring, then Ulysses.
+
+    Every group is made with ``new_group(ranks, timeout=timeout)`` (a group spanning the world is the
+    default group), so ``parallel.timeout_minutes`` holds for all of them: ``init_device_mesh`` would give
+    its groups torch's default timeout. A group shared by two meshes (e.g. ``dp_replicate``) is made once.
+    Groups inherit the default group's backend string (``cuda:nccl,cpu:gloo``)."""
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        return _mesh_of_groups(device_type, shape, names, groups, timeout)
+
+    world = mesh(
         (sizes.dp_replicate, sizes.dp_shard, sizes.ring, sizes.ulysses),
-        mesh_dim_names=("dp_replicate", "dp_shard", "ring", "ulysses"),
+        ("dp_replicate", "dp_shard", "ring", "ulysses"),
     )
-    shard = init_device_mesh(
-        device_type,
-        (sizes.dp_replicate, sizes.dp_shard * sizes.cp),
-        mesh_dim_names=("dp_replicate", "dp_shard_cp"),
-    )
+    shard = mesh((sizes.dp_replicate, sizes.dp_shard * sizes.cp), ("dp_replicate", "dp_shard_cp"))
     expert = None
     if sizes.ep > 1:
-        expert = init_device_mesh(
-            device_type,
-            (sizes.dp_replicate, sizes.efsdp, sizes.ep),
-            mesh_dim_names=("dp_replicate", "efsdp", "ep"),
-        )
+        expert = mesh((sizes.dp_replicate, sizes.efsdp, sizes.ep), ("dp_replicate", "efsdp", "ep"))
     return world, shard, expert
 
 
-def init_distributed(device_type: str | None = None, timeout_s: int = 1800) -> tuple[int, int, int, str]:
+def _mesh_of_groups(
+    device_type: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    groups: dict[tuple[int, ...], dist.ProcessGroup],
+    timeout: datetime.timedelta | None,
+) -> DeviceMesh:
+    """A ``DeviceMesh`` over ranks ``0..world-1`` laid out row-major in ``shape``. Every rank creates every
+    group of every dimension in the same order (``new_group`` is collective), keeping the one it is in."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = torch.arange(world).view(shape)
+    mine = []
+    for dim, size in enumerate(shape):
+        for row in layout.movedim(dim, -1).reshape(-1, size).tolist():
+            key = tuple(row)
+            if key not in groups:
+                groups[key] = dist.group.WORLD if size == world else dist.new_group(row, timeout=timeout)
+            if rank in key:
+                mine.append(groups[key])
+    return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=names)
+
+
+def init_distributed(device_type: str | None = None, timeout_minutes: int = 30) -> tuple[int, int, int, str]:
     """Join the process group that torchrun set up (or a 1-process group); returns rank, local rank,
-    world size and device type."""
+    world size and device type.
+
+    A new group has the backends of :func:`mm_parallel.device.process_group_backend` (``cuda:nccl,cpu:gloo``
+    on GPUs) and the given collective timeout. The local accelerator is bound first; on cuda it is also
+    passed as ``device_id``, which torch documents as making NCCL connect eagerly (errors show at start-up)
+    and create subgroups by ``ncclCommSplit``. A group that already exists is used as it is."""
     device_type = device_type or detect_device_type()
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s))
-        else:
-            dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        device = set_local_device(device_type, local_rank)
+        kwargs = {
+            "backend": process_group_backend(device_type),
+            "timeout": datetime.timedelta(minutes=timeout_minutes),
+            "device_id": device if device_type == "cuda" else None,
+        }
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(**kwargs)
+        else:
+            dist.init_process_group(**kwargs, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), local_rank, dist.get_world_size(), device_type
 
 
 def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> ParallelState:
     """Resolve sizes against the live process group and build the device meshes."""
-    rank, local_rank, world, device_type = init_distributed(device_type)
+    rank, local_rank, world, device_type = init_distributed(device_type, cfg.timeout_minutes)
     sizes = resolve_sizes(cfg, world)
     device = set_local_device(device_type, local_rank)
-    world, shard, expert = build_meshes(device_type, sizes)
+    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
+    world, shard, expert = build_meshes(device_type, sizes, timeout)
     return ParallelState(
         sizes=sizes,
         rank=rank,

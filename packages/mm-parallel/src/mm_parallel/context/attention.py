@@ -44,5 +44,6 @@ def context_parallel_attention(
     out = ring_attention(q.reshape(b, local_kv, local_heads // local_kv, n, dim), k, v, layout, scale, tile)
     out = out.reshape(b, local_heads, n, dim)
     if size > 1:
+        assert layout.ulysses_group is not None  # checked above
         out = heads_to_seq(out, layout.ulysses_group, size)
     return out.transpose(1, 2).contiguous()

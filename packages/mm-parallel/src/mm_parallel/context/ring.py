@@ -20,8 +20,15 @@ from mm_parallel.context.kernel import acc_dtype, block_backward, block_forward
 from mm_parallel.context.layout import SequenceLayout
 
 
-def _start_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup, rank: int, size: int) -> tuple:
+# the requests of one shift, and the tensors they receive into
+_Pending = tuple[list[dist.Work], list[torch.Tensor]]
+
+
+def _start_shift(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, rank: int, size: int
+) -> _Pending:
     """Send each tensor to ring rank ``rank + 1`` and receive its counterpart from ``rank - 1``."""
+    assert group is not None  # ring_attention requires the ring group when there is more than one rank
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
     recvs = [torch.empty_like(t) for t in tensors]
@@ -30,7 +37,7 @@ def _start_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup, rank: in
     return dist.batch_isend_irecv(ops), recvs
 
 
-def _finish(pending: tuple) -> list[torch.Tensor]:
+def _finish(pending: _Pending) -> list[torch.Tensor]:
     reqs, recvs = pending
     for req in reqs:
         req.wait()
@@ -44,7 +51,7 @@ def _positions(layout: SequenceLayout, ring_rank: int) -> tuple[torch.Tensor, to
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -70,7 +77,9 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(
+        ctx: Any, dout: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, tile = ctx.layout, ctx.scale, ctx.tile
         size, rank, group = layout.ring_size, layout.ring_rank, layout.ring_group
@@ -115,4 +124,6 @@ def ring_attention(
     With ``layout.ring_size == 1`` it is plain masked attention (no communication)."""
     if layout.ring_size > 1 and layout.ring_group is None:
         raise ValueError(f"ring size {layout.ring_size} needs the ring process group in SequenceLayout")
-    return _RingAttention.apply(q, k, v, layout, scale, tile)
+    # torch.autograd.Function.apply is unannotated (returns what forward returns)
+    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, scale, tile)  # type: ignore[no-untyped-call]
+    return out

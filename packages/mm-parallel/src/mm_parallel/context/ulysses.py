@@ -19,7 +19,7 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` over dim 0 with equal splits; its gradient is the same exchange."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -27,7 +27,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
@@ -39,7 +39,8 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.
     the slices of every Ulysses rank in rank order)."""
     b, h, s, d = x.shape
     x = x.reshape(b, size, h // size, s, d).permute(1, 0, 2, 3, 4)
-    x = _AllToAll.apply(x, group)  # [source rank, b, h/size, s, d]
+    # [source rank, b, h/size, s, d]; Function.apply is unannotated
+    x = _AllToAll.apply(x, group)  # type: ignore[no-untyped-call]
     return x.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
 
 
@@ -48,7 +49,8 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.
     b, hs, n, d = x.shape
     s = n // size
     x = x.reshape(b, hs, size, s, d).permute(2, 0, 1, 3, 4)
-    x = _AllToAll.apply(x, group)  # [head group, b, h/size, s, d]
+    # [head group, b, h/size, s, d]; Function.apply is unannotated
+    x = _AllToAll.apply(x, group)  # type: ignore[no-untyped-call]
     return x.permute(1, 0, 2, 3, 4).reshape(b, size * hs, s, d)
 
 

@@ -12,7 +12,7 @@ nothing moves unless ``copy_host_tensors`` is set (which exercises the same pack
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,8 +72,12 @@ class ActivationOffloader:
         self.copy_host_tensors = copy_host_tensors
         self.stats = OffloadStats()
         self._accel = device_type != "cpu"
-        self._mod = getattr(torch, device_type) if self._accel else None
-        self._stream = self._mod.Stream() if self._accel else None
+        # torch.cuda / torch.npu and their Stream: no common static type; used only when self._accel
+        self._mod: Any = None
+        self._stream: Any = None
+        if self._accel:
+            self._mod = getattr(torch, device_type)
+            self._stream = self._mod.Stream()
         self._blocks: list[_Block] = []  # forward order of blocks still waiting for backward
         self._active: list[tuple[_Block, saved_tensors_hooks]] = []
         self._handles: list[RemovableHandle] = []
@@ -93,7 +97,7 @@ class ActivationOffloader:
             h.remove()
         self._handles.clear()
 
-    def _make_enter(self, name: str, module: nn.Module):
+    def _make_enter(self, name: str, module: nn.Module) -> Callable[[nn.Module, Any], None]:
         def enter(_module: nn.Module, _args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
@@ -124,7 +128,7 @@ class ActivationOffloader:
             block.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
         return t.untyped_storage().data_ptr() in block.param_ptrs
 
-    def _pack(self, t: torch.Tensor, block: _Block, module: nn.Module) -> Any:
+    def _pack(self, t: torch.Tensor, block: _Block, module: nn.Module) -> torch.Tensor | _Saved:
         nbytes = t.numel() * t.element_size()
         on_host = t.device.type == "cpu"
         if (
@@ -167,7 +171,7 @@ class ActivationOffloader:
                     item.event = self._mod.Event()
                     item.event.record(stream)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor | _Saved) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
         block = packed.block

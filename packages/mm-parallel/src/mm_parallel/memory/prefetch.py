@@ -9,7 +9,7 @@ removed, so later steps pay nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -28,17 +28,19 @@ class ExecutionOrderPrefetch:
         num_forward: int = 0,
         num_backward: int = 0,
     ) -> None:
+        self._units: dict[str, FSDPModule] = {}
         for name, unit in units:
             if not isinstance(unit, FSDPModule):
                 raise ValueError(f"prefetch unit {name!r} is not an FSDP2 module (apply fully_shard first)")
+            if unit is not root:
+                self._units[name] = unit
         self.num_forward = num_forward
         self.num_backward = num_backward
         self.order: list[str] = []
         self.forward_plan: dict[str, list[str]] = {}
         self.backward_plan: dict[str, list[str]] = {}
-        self._units = {name: unit for name, unit in units if unit is not root}
         self._handles = [
-            unit.register_forward_pre_hook(self._recorder(name)) for name, unit in self._units.items()
+            unit.register_forward_pre_hook(self._recorder(name)) for name, unit in units if unit is not root
         ]
         self._handles.append(root.register_forward_hook(self._wire))
 
@@ -46,7 +48,7 @@ class ExecutionOrderPrefetch:
     def wired(self) -> bool:
         return not self._handles
 
-    def _recorder(self, name: str):
+    def _recorder(self, name: str) -> Callable[[nn.Module, Any], None]:
         def record(_module: nn.Module, _args: Any) -> None:
             if name not in self.order:
                 self.order.append(name)

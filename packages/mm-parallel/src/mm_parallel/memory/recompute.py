@@ -9,7 +9,8 @@ in forward, everything else inside the module is recomputed in backward.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,11 +67,11 @@ def resolve_ops(names: Iterable[str]) -> list[torch._ops.OpOverload]:
     return list(dict.fromkeys(out))
 
 
-def selective_policy(save_ops: Sequence[torch._ops.OpOverload]):
+def selective_policy(save_ops: Sequence[torch._ops.OpOverload]) -> Callable[..., CheckpointPolicy]:
     """A policy function: save the outputs of ``save_ops``, prefer recomputing everything else."""
     keep = frozenset(save_ops)
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
@@ -97,7 +98,7 @@ def apply_recompute(
     for module in modules:
         if id(module) in inside:
             continue
-        kwargs = {"preserve_rng_state": preserve_rng_state}
+        kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state}
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
         checkpoint(module, **kwargs)

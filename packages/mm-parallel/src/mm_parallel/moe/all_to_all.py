@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,19 @@ def _exchange(
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, timer):  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+        timer: CommTimer | None,
+    ) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
         return _exchange(x, out_splits, in_splits, group, timer)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         return _exchange(grad, in_splits, out_splits, ctx.group, ctx.timer), None, None, None, None
 
@@ -59,7 +67,9 @@ def all_to_all(
 ) -> torch.Tensor:
     """Send ``in_splits[j]`` leading rows of ``x`` (in order) to rank ``j`` of ``group``; receive
     ``out_splits[j]`` rows from rank ``j``. Differentiable; zero-row splits are fine."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, timer)
+    # torch.autograd.Function.apply is unannotated (returns what forward returns)
+    out: torch.Tensor = _AllToAll.apply(x, list(out_splits), list(in_splits), group, timer)  # type: ignore[no-untyped-call]
+    return out
 
 
 def exchange_counts(

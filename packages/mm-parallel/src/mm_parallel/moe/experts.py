@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from mm_parallel.device import group_backend
 from mm_parallel.moe.all_to_all import CommTimer, all_to_all, exchange_counts
 from mm_parallel.moe.grouped import expert_mlp
 
@@ -76,11 +77,13 @@ class ExpertParallelExperts(nn.Module):
                 f"{type(experts).__name__} has no {', '.join(missing)}; expert parallelism needs fused 3-D "
                 "expert weights gate_up_proj [experts, 2*inter, hidden], down_proj [experts, hidden, inter]"
             )
-        adapter = cls(
-            experts.gate_up_proj, experts.down_proj, experts.act_fn, ep_mesh, use_grouped_mm=use_grouped_mm
-        )
-        adapter.gate_up_proj.requires_grad_(experts.gate_up_proj.requires_grad)
-        adapter.down_proj.requires_grad_(experts.down_proj.requires_grad)
+        # nn.Module.__getattr__ is typed Tensor | Module; the attributes exist (checked above)
+        gate_up = cast(torch.Tensor, experts.gate_up_proj)
+        down = cast(torch.Tensor, experts.down_proj)
+        act_fn = cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn)
+        adapter = cls(gate_up, down, act_fn, ep_mesh, use_grouped_mm=use_grouped_mm)
+        adapter.gate_up_proj.requires_grad_(gate_up.requires_grad)
+        adapter.down_proj.requires_grad_(down.requires_grad)
         return adapter
 
     def _split(self, full: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,7 @@ class ExpertParallelExperts(nn.Module):
     def _dispatch_compute_combine(
         self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
+        assert self.ep_mesh is not None  # only called when ep_size > 1
         group = self.ep_mesh.get_group()
         ep, n_local = self.ep_size, self.num_local_experts
         send = counts.view(ep, n_local)
@@ -185,7 +189,7 @@ def shard_experts(
     experts: Sequence[nn.Module],
     mesh: DeviceMesh,
     gradient_divide_factor: float,
-    **fully_shard_kwargs,
+    **fully_shard_kwargs: Any,
 ) -> None:
     """``fully_shard`` each expert module over ``mesh`` (``(efsdp,)`` or ``(dp_replicate, efsdp)``), with
     gradients divided by ``gradient_divide_factor``.
@@ -198,14 +202,17 @@ def shard_experts(
     from torch.distributed.fsdp import fully_shard
 
     efsdp = mesh.size(mesh.ndim - 1)
-    premul_sum = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "nccl"
+    # the backend of the mesh's device tensors: "nccl" also under "cuda:nccl,cpu:gloo"
+    premul_sum = group_backend(mesh.get_group(mesh.ndim - 1), mesh.device_type) == "nccl"
     for module in experts:
-        fully_shard(module, mesh=mesh, shard_placement_fn=expert_placement_fn(efsdp), **fully_shard_kwargs)
-        module.set_gradient_divide_factor(float(gradient_divide_factor))
+        sharded = fully_shard(
+            module, mesh=mesh, shard_placement_fn=expert_placement_fn(efsdp), **fully_shard_kwargs
+        )
+        sharded.set_gradient_divide_factor(float(gradient_divide_factor))
         if efsdp > 1 and not premul_sum:
             # a custom factor reduce-scatters with PREMUL_SUM, which only NCCL has: sum, then divide. (With
             # one efsdp rank FSDP divides while copying instead; forcing sums there would divide twice.)
-            module.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)
 
 
 def expert_owner(expert: int, num_experts: int, ep: int) -> int:

@@ -92,7 +92,7 @@ def _all_to_all(
     itemsize = inp.element_size()
     stats.bytes_sent += (sum(in_splits) - in_splits[plan.rank]) * itemsize
     stats.bytes_received += (sum(out_splits) - out_splits[plan.rank]) * itemsize
-    return dist.all_to_all_single(
+    work: dist.Work | None = dist.all_to_all_single(
         output,
         inp,
         output_split_sizes=out_splits,
@@ -100,6 +100,7 @@ def _all_to_all(
         group=plan.group,
         async_op=True,
     )
+    return work
 
 
 class ShardExchange:

@@ -26,7 +26,7 @@ class NSConfig:
 
 
 def _run_batched(
-    jobs: Sequence[tuple[Tensor, Callable[[Tensor], None]]],
+    jobs: Sequence[tuple[Tensor, Callable[[Tensor], object]]],  # the callback's result is ignored
     config: NSConfig,
     stats: MuonStepStats,
     sync: Callable[[], None],
@@ -92,7 +92,7 @@ def orthogonalize(
     _run_batched([(updates[k], outputs[k].copy_) for k in local], config, stats, sync)
 
     owned_results: list[dict[int, Tensor]] = []
-    jobs: list[tuple[Tensor, Callable[[Tensor], None]]] = []
+    jobs: list[tuple[Tensor, Callable[[Tensor], object]]] = []
     for _, exchange in exchanges:
         results: dict[int, Tensor] = {}
         owned_results.append(results)

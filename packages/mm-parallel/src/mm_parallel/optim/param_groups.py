@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import difflib
-import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from mm_parallel.patterns import ModulePattern
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.normalization.LayerNorm,
@@ -100,18 +101,20 @@ def classify_muon_params(
 ) -> MuonParamPlan:
     """Split trainable parameters into Muon (hidden 2-D/3-D weights) and AdamW (everything else).
 
-    AdamW takes: parameters matching an fnmatch pattern in ``exclude`` (parameter names); parameters
-    of modules in ``exclude_modules`` (module types, module objects, or fnmatch patterns on module
-    paths — pass routers/gates here, e.g. from model metadata); embeddings; the output head
+    AdamW takes: parameters whose path matches a pattern in ``exclude``; parameters of modules in
+    ``exclude_modules`` (module types, module objects, or patterns on module paths — pass routers/gates
+    here, e.g. from model metadata); embeddings; the output head
     (``model.get_output_embeddings()``) and anything tied to it or to an embedding; normalisation
     layers; convolution kernels; and anything with ndim < 2 or ndim > 3.
+    Patterns use :mod:`mm_parallel.patterns` (``{*}`` one integer component, ``{a-b}`` a range, ``*`` any
+    text inside one component) and match whole dotted paths.
     Raises ValueError when a pattern matches nothing, listing the closest names.
     """
-    exclude = list(exclude)
+    exclude_patterns = [ModulePattern(p) for p in exclude]
     specs = list(exclude_modules)
     module_types = tuple(s for s in specs if isinstance(s, type))
     module_objects = {id(s) for s in specs if isinstance(s, nn.Module)}
-    module_patterns = [s for s in specs if isinstance(s, str)]
+    module_patterns = [ModulePattern(s) for s in specs if isinstance(s, str)]
     for spec in specs:
         if not isinstance(spec, (type, nn.Module, str)):
             raise TypeError(
@@ -127,7 +130,7 @@ def classify_muon_params(
             owners.setdefault(id(param), []).append((full, module, module_name))
     names = [entries[0][0] for entries in owners.values()]
     _check_patterns(
-        exclude,
+        exclude_patterns,
         [n for entries in owners.values() for n, _, _ in entries],
         "exclude",
         "parameter",
@@ -155,7 +158,7 @@ def classify_muon_params(
         param = _param_of(entries[0][1], entries[0][0])
         if not param.requires_grad:
             continue
-        reason = _adamw_reason(param, entries, exclude, excluded, special.get(key))
+        reason = _adamw_reason(param, entries, exclude_patterns, excluded, special.get(key))
         muon_reason = "hidden 3-D weight (batch of matrices)" if param.ndim == 3 else "hidden 2-D weight"
         decisions.append(
             ParamDecision(
@@ -191,7 +194,8 @@ def muon_param_groups(
 
 
 def _param_of(module: nn.Module, full_name: str) -> nn.Parameter:
-    return getattr(module, full_name.rsplit(".", 1)[-1])
+    param: nn.Parameter = getattr(module, full_name.rsplit(".", 1)[-1])
+    return param
 
 
 def _module_exclusion(
@@ -199,29 +203,29 @@ def _module_exclusion(
     module_name: str,
     module_types: tuple[type, ...],
     module_objects: set[int],
-    module_patterns: list[str],
+    module_patterns: list[ModulePattern],
 ) -> str | None:
     if module_types and isinstance(module, module_types):
         return f"in excluded module {module_name} ({type(module).__name__})"
     if id(module) in module_objects:
         return f"in excluded module {module_name or '<root>'}"
     for pattern in module_patterns:
-        if fnmatch.fnmatchcase(module_name, pattern):
-            return f"in excluded module {module_name} (pattern {pattern!r})"
+        if pattern.matches(module_name):
+            return f"in excluded module {module_name} (pattern {pattern.text!r})"
     return None
 
 
 def _adamw_reason(
     param: torch.Tensor,
     entries: list[tuple[str, nn.Module, str]],
-    exclude: list[str],
+    exclude: list[ModulePattern],
     excluded_modules: dict[str, str],
     special: str | None,
 ) -> str | None:
     for name, _, module_name in entries:
         for pattern in exclude:
-            if fnmatch.fnmatchcase(name, pattern):
-                return f"excluded by pattern {pattern!r}"
+            if pattern.matches(name):
+                return f"excluded by pattern {pattern.text!r}"
         parts = module_name.split(".") if module_name else []
         for depth in range(len(parts) + 1):  # the module itself or any ancestor
             reason = excluded_modules.get(".".join(parts[:depth]))
@@ -241,9 +245,9 @@ def _adamw_reason(
     return None
 
 
-def _check_patterns(patterns: list[str], names: list[str], option: str, kind: str) -> None:
+def _check_patterns(patterns: list[ModulePattern], names: list[str], option: str, kind: str) -> None:
     for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+        if not any(pattern.matches(n) for n in names):
+            near = difflib.get_close_matches(pattern.text, names, n=5, cutoff=0.4)
             hint = f" Closest {kind} names: {near}." if near else ""
-            raise ValueError(f"{option} pattern {pattern!r} matches no {kind} of the model.{hint}")
+            raise ValueError(f"{option} pattern {pattern.text!r} matches no {kind} of the model.{hint}")

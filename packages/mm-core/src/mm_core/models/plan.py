@@ -1,0 +1,180 @@
+"""The model-plan contract: what a model class tells mm about itself, in one typed, frozen object.
+
+A model class declares ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)``; every part of mm reads it through
+:func:`plan_of`. A class that declares nothing trains with the defaults (no default units: the YAML names
+them, or the whole model is one FSDP unit). Patterns use the syntax of ``parallel.fsdp_plan.apply_modules``
+(:mod:`mm_parallel.patterns`).
+
+The older per-field class attributes (``mm_fsdp_modules`` and friends, see :data:`LEGACY_ATTRIBUTES`) are
+still read, override the matching fields and draw a one-time ``FutureWarning`` per class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mm_core.errors import ConfigError
+from mm_parallel.moe import ExpertParallelExperts
+from mm_parallel.patterns import ModulePattern, PatternError
+
+#: legacy class attribute -> :class:`ModelPlan` field
+LEGACY_ATTRIBUTES: dict[str, str] = {
+    "mm_fsdp_modules": "fsdp_units",
+    "mm_recompute_modules": "recompute_units",
+    "mm_ep_modules": "expert_modules",
+    "mm_expert_adapter": "expert_adapter",
+    "mm_context_parallel_module": "cp_split_module",
+    "mm_context_parallel_packed": "cp_packed_inputs",
+    "mm_muon_exclude_modules": "muon_exclude_modules",
+}
+
+_PATTERN_FIELDS = ("fsdp_units", "recompute_units", "expert_modules", "muon_exclude_modules")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Default plans of a model class, so that a user's YAML can omit them. Every field is optional."""
+
+    #: modules wrapped as their own FSDP units before the root (``parallel.fsdp_plan.apply_modules``)
+    fsdp_units: tuple[str, ...] = ()
+    #: modules whose activations are recomputed (or offloaded) when ``model.recompute`` is on
+    #: (``model.recompute_plan.apply_modules``)
+    recompute_units: tuple[str, ...] = ()
+    #: fused experts modules split over the expert-parallel mesh (``parallel.ep_plan.apply_modules``)
+    expert_modules: tuple[str, ...] = ()
+    #: the adapter that replaces each expert module: :class:`mm_parallel.moe.ExpertParallelExperts` (None)
+    #: or a subclass of it
+    expert_adapter: type[ExpertParallelExperts] | None = None
+    #: context parallelism for models with other towers (vision): the module whose inputs are the whole
+    #: sequence after the towers' features are merged and positions computed (e.g. the language model); mm
+    #: splits the sequence at its input. None: the batch is split before the model (text decoders only)
+    cp_split_module: str | None = None
+    #: ``(input, mask)`` pairs: inputs of that module holding one row per True of the ``[batch, seq]`` mask
+    #: input named beside them (e.g. features added at the image tokens); mm keeps this rank's rows
+    cp_packed_inputs: tuple[tuple[str, str], ...] = ()
+    #: modules whose weights never take Muon even if 2-D (routers, gates); ``training.muon.exclude`` adds more
+    muon_exclude_modules: tuple[str, ...] = ()
+    #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
+    #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
+    init_weights: Callable[[nn.Module], None] | None = None
+
+    def __post_init__(self) -> None:
+        for name in _PATTERN_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"ModelPlan.{name}: give a tuple of patterns, not the string {value!r}")
+            patterns = tuple(value)
+            for text in patterns:
+                if not isinstance(text, str):
+                    raise TypeError(f"ModelPlan.{name}: {text!r} is not a pattern string")
+                try:
+                    ModulePattern(text)
+                except PatternError as exc:
+                    raise ValueError(f"ModelPlan.{name}: {exc}") from None
+            object.__setattr__(self, name, patterns)
+        packed = self.cp_packed_inputs
+        pairs = tuple(packed.items()) if isinstance(packed, Mapping) else tuple(tuple(p) for p in packed)
+        if not all(len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+            raise TypeError(f"ModelPlan.cp_packed_inputs: give (input, mask) name pairs, got {packed!r}")
+        object.__setattr__(self, "cp_packed_inputs", pairs)
+        if pairs and not self.cp_split_module:
+            raise ValueError("ModelPlan.cp_packed_inputs needs cp_split_module (the module receiving them)")
+        adapter = self.expert_adapter
+        if adapter is not None and not (
+            isinstance(adapter, type) and issubclass(adapter, ExpertParallelExperts)
+        ):
+            raise TypeError(
+                f"ModelPlan.expert_adapter: {adapter!r} is not a subclass of "
+                "mm_parallel.moe.ExpertParallelExperts"
+            )
+        if self.init_weights is not None and not callable(self.init_weights):
+            raise TypeError(f"ModelPlan.init_weights: {self.init_weights!r} is not callable")
+
+    @property
+    def cp_packed(self) -> dict[str, str]:
+        """``cp_packed_inputs`` as ``{input: mask}``."""
+        return dict(self.cp_packed_inputs)
+
+    def describe(self) -> list[str]:
+        """One line per field, for ``mm check``."""
+
+        def patterns(values: Iterable[str]) -> str:
+            return ", ".join(values) or "-"
+
+        adapter = self.expert_adapter or ExpertParallelExperts
+        cp = self.cp_split_module or "- (the batch is split before the model)"
+        if self.cp_packed_inputs:
+            cp += "; packed " + ", ".join(f"{i} by {m}" for i, m in self.cp_packed_inputs)
+        hook = self.init_weights
+        init = f"{hook.__module__}.{getattr(hook, '__qualname__', hook)}" if hook is not None else "-"
+        return [
+            f"  fsdp_units            {patterns(self.fsdp_units)}",
+            f"  recompute_units       {patterns(self.recompute_units)}",
+            f"  expert_modules        {patterns(self.expert_modules)}"
+            + (f" (adapter {adapter.__name__})" if self.expert_modules else ""),
+            f"  cp_split_module       {cp}",
+            f"  muon_exclude_modules  {patterns(self.muon_exclude_modules)}",
+            f"  init_weights          {init}",
+        ]
+
+
+_warned: set[type] = set()
+
+
+def plan_of(model: Any) -> ModelPlan:
+    """The plan of a model (instance or class): its ``mm_plan``, with any legacy ``mm_*`` class attributes
+    applied on top; ``ModelPlan()`` when it declares neither."""
+    cls = model if isinstance(model, type) else type(model)
+    plan = getattr(cls, "mm_plan", None)
+    if plan is None:
+        plan = ModelPlan()
+    elif not isinstance(plan, ModelPlan):
+        raise ConfigError(
+            f"{cls.__name__}.mm_plan: expected an mm_core.models.ModelPlan, got {type(plan).__name__}"
+        )
+    legacy: dict[str, Any] = {}
+    owners: dict[type, list[str]] = {}  # the classes that declare them (not a wrapper subclass, e.g. FSDP's)
+    for attr, field in LEGACY_ATTRIBUTES.items():
+        value = getattr(cls, attr, None)
+        if value is None or (isinstance(value, Iterable) and not value):
+            continue
+        legacy[field] = value
+        owner = next(c for c in cls.__mro__ if attr in vars(c))
+        owners.setdefault(owner, []).append(attr)
+    if not legacy:
+        return plan
+    for owner, attrs in owners.items():
+        if owner not in _warned:  # once per declaring class and process
+            _warned.add(owner)
+            warnings.warn(
+                f"{owner.__module__}.{owner.__qualname__} declares its plan with the class attributes "
+                f"{', '.join(attrs)}; declare mm_plan: ClassVar[ModelPlan] = ModelPlan(...) instead "
+                "(mm_core.models.ModelPlan)",
+                FutureWarning,
+                stacklevel=2,
+            )
+    try:
+        return dataclasses.replace(plan, **legacy)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def init_expert_adapters(model: nn.Module, std: float | None = None) -> None:
+    """Initialise the expert-parallel adapters mm swapped into ``model`` (normal(0, std) as transformers
+    initialises fused experts; ``std`` defaults to the text config's ``initializer_range``, else 0.02).
+
+    The shared :attr:`ModelPlan.init_weights` hook of mixture-of-experts models: transformers'
+    ``init_weights()`` does not know the adapters, which replace modules inside the base model."""
+    if std is None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        std = getattr(text, "initializer_range", None) or 0.02
+    for module in model.modules():
+        if isinstance(module, ExpertParallelExperts):
+            module.reset_parameters(std)
