@@ -110,8 +110,9 @@ class DeviceAudit:
 
     def summary(self) -> dict[str, Any]:
         """Plain data for a report: collective counts by op and device, violations, syncs by site."""
+        ops = Counter(f"{c.op} on {','.join(sorted(set(c.devices)))}" for c in self.collectives)
         return {
-            "collectives": dict(Counter(f"{c.op} on {','.join(sorted(set(c.devices)))}" for c in self.collectives)),
+            "collectives": dict(ops),
             "violations": [f"{c.op} on {','.join(c.devices)} from {c.site}" for c in self.violations],
             "implicit_device": dict(self.implicit_device),
             "syncs": dict(self.syncs),

@@ -2,10 +2,11 @@
 the trainer's configured device, and the loop makes at most one host sync per optimizer step (for logging).
 
 Two real gloo ranks train the quickstart model in-process under :class:`_device_audit.DeviceAudit` (test-side
-torch modes; nothing in mm or torch is patched, no collective is faked). On a CPU machine the configured device
-is the CPU, so the audit gives tensors that mm's step code creates without a device the ``meta`` device: the
-device check then fails on every machine exactly where it would fail on a GPU or NPU. The controls at the end
-show that the instruments catch a misplaced collective, an implicit-device tensor and extra host syncs.
+torch modes; nothing in mm or torch is patched, no collective is faked). On a CPU machine the configured
+device is the CPU, so the audit gives tensors that mm's step code creates without a device the ``meta``
+device: the device check then fails on every machine exactly where it would fail on a GPU or NPU. The
+controls at the end show that the instruments catch a misplaced collective, an implicit-device tensor and
+extra host syncs.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def audited(tmp_path_factory) -> list[dict]:
 def test_every_collective_of_training_is_on_the_configured_device(audited):
     for rank, result in enumerate(audited):
         ops = " ".join(result["collectives"])
-        # the instrument really saw the step's traffic: FSDP2's all-gathers and reduce-scatters, and all-reduces
+        # the instrument really saw the step's traffic: FSDP2's all-gathers and reduce-scatters, all-reduces
         assert "allgather" in ops or "all_gather" in ops, (rank, result["collectives"])
         assert "reduce_scatter" in ops, (rank, result["collectives"])
         assert "allreduce" in ops or "all_reduce" in ops, (rank, result["collectives"])
@@ -95,15 +96,16 @@ def test_every_collective_of_training_is_on_the_configured_device(audited):
             f"rank {rank}: tensors created by the step code without a device (they would land on the CPU on "
             f"an accelerator): {result['implicit_device']}"
         )
-        assert result["violations"] == [], f"rank {rank}: collectives off {result['device']}: {result['violations']}"
+        off = result["violations"]
+        assert off == [], f"rank {rank}: collectives off {result['device']}: {off}"
 
 
 def test_at_most_one_host_sync_per_optimizer_step(audited):
     for rank, result in enumerate(audited):
         total = sum(result["syncs"].values())
         assert total <= result["steps"], (
-            f"rank {rank}: {total} host syncs in {result['steps']} optimizer steps (at most one per step, for "
-            f"logging): {result['syncs']}"
+            f"rank {rank}: {total} host syncs in {result['steps']} optimizer steps (at most one per step, "
+            f"for logging): {result['syncs']}"
         )
 
 
@@ -145,9 +147,9 @@ def test_control_collective_off_the_configured_device_is_caught(one_rank_group):
 
 def test_control_tensor_without_device_is_caught(one_rank_group):
     step = _as_step_code("def step():\n    t = torch.tensor([1.0, 2.0])\n    dist.all_reduce(t)\n")
-    with pytest.raises(AssertionError, match=r"mm_core.train._control:3 .*created without a device"):
-        with DeviceAudit(torch.device("cpu")):
-            step()
+    caught = pytest.raises(AssertionError, match=r"mm_core.train._control:3 .*created without a device")
+    with caught, DeviceAudit(torch.device("cpu")):
+        step()
     # the same code outside mm's step code (e.g. the data pipeline's host tensors) is not touched
     with DeviceAudit(torch.device("cpu")) as audit:
         _as_step_code(

@@ -100,7 +100,9 @@ def _worker(
     }  # fmt: skip
     Path(out_dir, f"{rank}.json").write_text(json.dumps(rec))
     dist.barrier()
-    dist.destroy_process_group()
+    from mm_parallel.teardown import shutdown_distributed
+
+    shutdown_distributed()  # a clean exit after the last collective (see mm_parallel.teardown)
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:

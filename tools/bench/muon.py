@@ -126,7 +126,9 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, args: argparse
     dist.all_gather_object(gathered, results)
     if rank == 0:
         Path(out_file).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    from mm_parallel.teardown import shutdown_distributed
+
+    shutdown_distributed()  # exiting right after all_gather_object could abort the process (see teardown.py)
 
 
 def _run_world(world: int, args: argparse.Namespace) -> list[dict[str, dict[str, Any]]]:

@@ -84,7 +84,7 @@ BAD = {
 
 GOOD = {
     "check_fsdp": Case("check", ("--world-size", "2")),
-    "check_default_plan": Case("check", ("model.from_scratch=false",), edit=_drop_fsdp_plan),
+    "check_default_plan": Case("check", edit=_drop_fsdp_plan),
     "check_hsdp": Case(
         "check", ("parallel.fully_shard_parallel_size=2", "--world-size", "4", "training.micro_batch_size=3")
     ),
@@ -183,9 +183,9 @@ def test_check_good_config_prints_the_plan(runs: dict, tiny_qwen_dir: Path) -> N
     assert not (runs["check_fsdp"][1] / "out").exists(), "mm check must not train or write outputs"
 
 
-def test_check_uses_the_model_default_plan_and_needs_no_weights(runs: dict) -> None:
-    # no fsdp_plan in the YAML: qwen3's default plan is used; from_scratch false is fine for mm check,
-    # which builds the model on the meta device
+def test_check_uses_the_model_default_plan(runs: dict) -> None:
+    # no fsdp_plan in the YAML: qwen3's default plan is used (the model is built on the meta device; with
+    # model.from_scratch false mm check also verifies the weights files: see test_preflight.py)
     out = _ok(runs, "check_default_plan")
     assert re.search(r"^fsdp units\s*: from default plan of Qwen3ForTraining$", out, re.M), out
     assert re.search(r"model\.layers\.\{\*\}\s+-> model\.layers\.0, model\.layers\.1$", out, re.M), out

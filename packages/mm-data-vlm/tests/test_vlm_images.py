@@ -222,3 +222,32 @@ def test_processor_that_is_not_a_local_folder_is_one_line(root: Path, tmp_path: 
         "data.dataset_param.preprocess_parameters.model_name_or_path: 'Qwen/Qwen3-VL-2B-Instruct' is not a "
         "local folder"
     ), msg
+
+
+# ------------------------------------------------------------------------------------ preflight (mm check)
+def _preflight(root: Path, images: list[str], on_error: str = "raise") -> list[str]:
+    (root / "d.json").write_text(json.dumps([record(i) for i in images]), encoding="utf-8")
+    return VLMSFTDataset.preflight(
+        {"dataset_dir": str(root), "dataset": "d.json", "cutoff_len": 4096},
+        {"model_name_or_path": str(root / "proc")},
+        SimpleNamespace(on_error=on_error),
+    )
+
+
+def test_preflight_encodes_the_first_record(root: Path) -> None:
+    head, first = _preflight(root, ["img/big.jpg", "img/absent.png"])  # only the first record is read
+    assert head.startswith(f"1 file(s), 0.0 MiB ({root / 'd.json'}); processor {root / 'proc'} ("), head
+    assert "at most 6272 pixels, sources over 89,478,485 refused" in head, head
+    expected = len(dataset(root, ["img/big.jpg"])[0]["input_ids"])
+    assert first == f"first record: {expected:,} tokens, 1 image(s) (cutoff_len 4096)"
+
+
+def test_preflight_refuses_a_bad_first_record_unless_skipping(root: Path) -> None:
+    with pytest.raises(DataError, match=r"d\.json\[0\]: image .*absent\.png does not exist"):
+        _preflight(root, ["img/absent.png", "img/ok.png"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with pytest.raises(DataError, match=r"d\.json\[0\]: image .*big_header\.png is 10000x10000"):
+            _preflight(root, ["img/big_header.png"])
+        _, first = _preflight(root, ["img/big_header.png"], on_error="skip")
+    assert first.startswith("first record would be skipped (on_error: skip): "), first

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(parsers), file=sys.stderr)
         return report_error(f"unknown command {argv[0]!r}")
     args = parsers[argv[0]].parse_intermixed_args(argv[1:])
-    return args.func(args)
+    code: int = args.func(args)
+    return code
 
 
 if __name__ == "__main__":

@@ -198,7 +198,9 @@ def dcp_to_hf(
         apply_lora(model, cfg.training.lora)
     if not adapters_only:
         with torch.no_grad():
-            model.init_weights()  # non-persistent buffers (e.g. rotary frequencies); weights are overwritten
+            # non-persistent buffers (e.g. rotary frequencies); weights are overwritten. PreTrainedModel and
+            # BaseModel (the only kinds ModelHub builds) both define init_weights
+            model.init_weights()  # type: ignore[operator]
     expected = model.state_dict()
     aliases = {n for names in tied_aliases(model) for n in names[1:]}
     missing = sorted(k for k in expected if k not in stored and k not in aliases)
@@ -221,13 +223,14 @@ def dcp_to_hf(
         _check_finite(model, path)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    if not callable(getattr(model, "save_pretrained", None)):
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
         # a custom BaseModel: its weights as one safetensors file with the model's own parameter names
         from safetensors.torch import save_model
 
         save_model(model, str(dst / "model.safetensors"))
         return dst
-    model.save_pretrained(dst, max_shard_size=max_shard_size)
+    save_pretrained(dst, max_shard_size=max_shard_size)
     config_path = dst / "config.json"
     if config_path.is_file():
         conf = json.loads(config_path.read_text(encoding="utf-8"))

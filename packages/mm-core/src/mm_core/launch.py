@@ -28,7 +28,8 @@ SHUTDOWN_TIMEOUT_S = 600
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -100,8 +101,8 @@ def _report_failure(error_dir: Path, nproc: int, codes: dict[int, int]) -> int:
         print(f"mm: worker rank {rank} failed: {report['summary']}", file=sys.stderr, flush=True)
         others = sorted(r for r in codes if r != rank)
         if others:
-            ranks = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
-            print(f"mm: {ranks} stopped too (see above)", file=sys.stderr, flush=True)
+            who = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+            print(f"mm: {who} stopped too (see above)", file=sys.stderr, flush=True)
         return 1
     for rank, code in sorted(codes.items()):
         print(f"mm: worker {rank} failed with exit code {code}", file=sys.stderr)

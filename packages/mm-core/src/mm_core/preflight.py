@@ -9,8 +9,8 @@ line at once instead of a failure inside every worker minutes later. Nothing is 
 - weights (unless ``model.from_scratch``): ``model.model_name_or_path`` is a local folder holding the
   safetensors files transformers loads (``model.safetensors`` or every shard of its index); each file's header
   is read, so a truncated or corrupt file is found, but no tensor is;
-- ``training.load``: a ``step_<N>`` checkpoint, or a save folder with one; ``auto`` without a checkpoint yet is
-  a fresh start.
+- ``training.load``: a ``step_<N>`` checkpoint, or a save folder with one (found by name: nothing in it is
+  read, let alone unpickled); ``auto`` without a checkpoint yet is a fresh start.
 
 Dataset preflight hook: a dataset class (or factory) registered under ``mm.datasets`` may define
 ``preflight(basic_param, preprocess_param, dataset_param) -> list[str]``. It validates the parameters, checks
@@ -41,7 +41,8 @@ def _label(name: str, lines: list[str]) -> list[str]:
 
 def run_preflight(cfg: MMConfig, out: Callable[..., object] = print) -> None:
     """Verify the data, the weights and ``training.load``; print what was verified. Raises MMError."""
-    for line in (*check_data(cfg), *check_weights(cfg.model), *check_load(cfg.training)):
+    meta = cfg.training.init_model_with_meta_device
+    for line in (*check_data(cfg), *check_weights(cfg.model, meta), *check_load(cfg.training)):
         out(line)
 
 
@@ -66,14 +67,17 @@ def check_data(cfg: MMConfig) -> list[str]:
 
     dataset = build_dataset(cfg.data, cfg.training.seed)
     return _label(
-        "data", [f"{dp.dataset_type}: {len(dataset):,} samples (built in full: the dataset has no preflight hook)"]
+        "data",
+        [f"{dp.dataset_type}: {len(dataset):,} samples (built in full: the dataset has no preflight hook)"],
     )
 
 
 # --------------------------------------------------------------------------------------------- weights
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files ``from_pretrained`` reads from ``folder``; a ConfigError naming
-    ``model.model_name_or_path`` when there are none or the index names a missing shard."""
+def weight_files(folder: Path, any_names: bool = False) -> list[Path]:
+    """The safetensors files the run reads from ``folder``: ``model.safetensors`` or the shards of its index
+    (what ``from_pretrained`` reads), or with ``any_names`` (meta-device init, which reads the folder through
+    DCP's Hugging Face reader) every ``*.safetensors``. A ConfigError naming ``model.model_name_or_path`` when
+    there are none or the index names a missing shard."""
     key = "model.model_name_or_path"
     if (folder / _SAFE_WEIGHTS).is_file():
         return [folder / _SAFE_WEIGHTS]
@@ -83,7 +87,9 @@ def weight_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{key}: {index} is not a safetensors index (no valid weight_map: {e})") from None
+            raise CheckpointError(
+                f"{key}: {index} is not a safetensors index (no valid weight_map: {e})"
+            ) from None
         for shard in shards:
             if not (folder / shard).is_file():
                 raise CheckpointError(
@@ -92,7 +98,14 @@ def weight_files(folder: Path) -> list[Path]:
                 )
         return [folder / s for s in shards]
     others = sorted(p.name for p in folder.glob("*.safetensors"))
-    found = f" (it holds {', '.join(others[:3])}, but transformers loads only those names)" if others else ""
+    if any_names and others:
+        return [folder / name for name in others]
+    found = (
+        f" (it holds {', '.join(others[:3])}, but transformers loads only those names unless "
+        "training.init_model_with_meta_device is true)"
+        if others
+        else ""
+    )
     raise ConfigError(
         f"{key}: {str(folder)!r} has no {_SAFE_WEIGHTS} or {_SAFE_INDEX}{found}; point it at the model's "
         "Hugging Face folder, or set model.from_scratch: true to train from a random initialisation"
@@ -100,7 +113,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def _read_header(path: Path) -> int:
-    """The number of tensors in a safetensors file, from its header only; CheckpointError when it is broken."""
+    """How many tensors a safetensors file holds, from its header only; CheckpointError when it is broken."""
     from safetensors import safe_open
 
     try:
@@ -108,13 +121,13 @@ def _read_header(path: Path) -> int:
             return len(list(f.keys()))
     except Exception as e:  # noqa: BLE001 - SafetensorError and OSError, depending on the damage
         raise CheckpointError(
-            f"model.model_name_or_path: {path} is not a readable safetensors file ({e}); "
-            "download it again"
+            f"model.model_name_or_path: {path} is not a readable safetensors file ({e}); download it again"
         ) from None
 
 
-def check_weights(model: ModelConfig) -> list[str]:
-    """``model.model_name_or_path`` holds the weights the run loads (unless ``model.from_scratch``)."""
+def check_weights(model: ModelConfig, meta_init: bool = False) -> list[str]:
+    """``model.model_name_or_path`` holds the weights the run loads (unless ``model.from_scratch``);
+    ``meta_init``: ``training.init_model_with_meta_device``."""
     from transformers import PreTrainedModel
 
     from mm_core.models.hub import ModelHub
@@ -130,22 +143,22 @@ def check_weights(model: ModelConfig) -> list[str]:
         return _label("weights", [f"{path or '(model.model_name_or_path not set)'}: read by {cls.__name__}"])
     if not path:
         raise ConfigError(
-            "model.model_name_or_path: not set, but model.from_scratch is false so the run loads weights; set "
-            "it to the model's Hugging Face folder, or set model.from_scratch: true"
+            "model.model_name_or_path: not set, but model.from_scratch is false so the run loads weights; "
+            "set it to the model's Hugging Face folder, or set model.from_scratch: true"
         )
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(
             f"model.model_name_or_path: {path!r} is not a local folder (relative to {Path.cwd()}); mm never "
-            "downloads: download the model first and give its folder"
+            "downloads: download the model first and give its folder (or set model.from_scratch: true)"
         )
-    files = weight_files(folder)
+    files = weight_files(folder, any_names=meta_init)
     tensors = sum(_read_header(f) for f in files)
     size = sum(f.stat().st_size for f in files)
-    return _label(
-        "weights",
-        [f"{path}: {len(files)} safetensors file(s), {tensors:,} tensors, {size / GiB:.2f} GiB (headers read)"],
+    line = (
+        f"{path}: {len(files)} safetensors file(s), {tensors:,} tensors, {size / GiB:.2f} GiB (headers read)"
     )
+    return _label("weights", [line])
 
 
 # ---------------------------------------------------------------------------------------- training.load

@@ -167,8 +167,8 @@ class SFTDataset(torch.utils.data.Dataset):
         except ChatEncodeError as e:
             raise DataError(f"{first[0]}: {e}") from None
         return [
-            f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens, chat "
-            f"template); first record: {len(ids):,} tokens (cutoff_len {basic['cutoff_len']})"
+            f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens, "
+            f"chat template); first record: {len(ids):,} tokens (cutoff_len {basic['cutoff_len']})"
         ]
 
     def __len__(self) -> int:

@@ -88,8 +88,8 @@ def _read_txt(path: Path, txt_document: str) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes().count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: {_not_utf8(e, e.start)}") from None
+        line_no = path.read_bytes().count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line_no}: {_not_utf8(e, e.start)}") from None
     if txt_document == "file":
         return [text] if text.strip() else []
     docs: list[str] = []

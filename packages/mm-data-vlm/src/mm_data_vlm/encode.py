@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ class VisionProcessor:
     def target_pixels(self) -> int | None:
         """The most pixels the image processor resizes an image to (Qwen-VL's ``size.longest_edge``,
         i.e. ``max_pixels``), or None when it does not say."""
-        size = getattr(self.image_processor, "size", None)
+        size: Any = getattr(self.image_processor, "size", None)  # a dict or a SizeDict, or None
         value = size.get("longest_edge") if hasattr(size, "get") else getattr(size, "longest_edge", None)
         value = value or getattr(self.image_processor, "max_pixels", None)
         return int(value) if isinstance(value, int) and value > 0 else None
@@ -66,7 +66,8 @@ class VisionProcessor:
                 f"{key}.model_name_or_path: cannot load the tokenizer and image processor from {path!r}: "
                 + " ".join(str(e).split())
             ) from None
-        ids = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
+        # a list of tokens gives a list of ids (the stub's result is int | list[int])
+        ids = cast("list[int]", tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD]))
         if any(i is None or i == tokenizer.unk_token_id for i in ids):
             raise ConfigError(
                 f"{key}.model_name_or_path: the tokenizer at {path!r} lacks Qwen's vision tokens "

@@ -66,8 +66,8 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: {_not_utf8(e, e.start)}") from None
+        line_no = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line_no}: {_not_utf8(e, e.start)}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -97,7 +97,8 @@ def conversation(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise DataError(f"{where}: turn {i} must be an object")
-        role = _SHAREGPT_ROLES.get(turn.get(role_key)) if role_key == "from" else turn.get(role_key)
+        # str(): an unhashable "from" value (a list, ...) is reported below as an unknown role, not a crash
+        role = _SHAREGPT_ROLES.get(str(turn.get(role_key))) if role_key == "from" else turn.get(role_key)
         if role not in _ROLES:
             raise DataError(
                 f"{where}: turn {i} has {role_key}={turn.get(role_key)!r}; expected a user, "

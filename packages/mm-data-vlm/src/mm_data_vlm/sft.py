@@ -58,10 +58,24 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         *,
         seed: int = 0,
     ) -> None:
+        self._configure(basic_param, preprocess_param, dataset_param, seed)
+        for path in self.files:
+            for where, obj in iter_records(path):
+                self.records.append(self._record(where, obj))
+
+    def _configure(
+        self,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any,
+        seed: int,
+    ) -> None:
+        """Everything but the records: parameters, dataset files and the processor (local files only)."""
         basic = read_params(basic_param, BASIC_FIELDS, BASIC)
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
         self.seed = seed
         self.cutoff_len: int = basic["cutoff_len"]
+        self.dataset_dir: str | None = basic["dataset_dir"]
         self.on_error: str = getattr(dataset_param, "on_error", "raise")
         self.max_source_pixels: int | None = pre["image_max_source_pixels"]
         self.processor = VisionProcessor.load(
@@ -70,19 +84,59 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         tok = self.processor.tokenizer
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
         self.image_token_id = self.processor.image_token_id
+        self.files = resolve_files(basic["dataset"], basic["dataset_dir"], f"{BASIC}.dataset")
         self.records: list[tuple[str, list[dict[str, str]], list[Path]]] = []
-        for path in resolve_files(basic["dataset"], basic["dataset_dir"], f"{BASIC}.dataset"):
-            for where, obj in iter_records(path):
-                images = image_paths(obj, where, basic["dataset_dir"])
-                if self.on_error == "raise":
-                    for image in images:
-                        if not image.is_file():
-                            raise DataError(
-                                f"{where}: image {image} does not exist (paths are relative to "
-                                f"{BASIC}.dataset_dir; data.dataset_param.on_error: skip skips such records)"
-                            )
-                self.records.append((where, conversation(obj, where), images))
         self.skipped: list[str] = []
+
+    def _record(self, where: str, obj: dict[str, Any]) -> tuple[str, list[dict[str, str]], list[Path]]:
+        images = image_paths(obj, where, self.dataset_dir)
+        if self.on_error == "raise":
+            for image in images:
+                if not image.is_file():
+                    raise DataError(
+                        f"{where}: image {image} does not exist (paths are relative to "
+                        f"{BASIC}.dataset_dir; data.dataset_param.on_error: skip skips such records)"
+                    )
+        return where, conversation(obj, where), images
+
+    @classmethod
+    def preflight(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """What ``mm check`` verifies without reading every record: the keys, that every file exists, the
+        processor (local files only), the first record of every file (with its images), and the first
+        sample encoded (its images decoded under the pixel limit). Raises ConfigError/DataError as building
+        the dataset and reading that sample would (with ``on_error: skip`` a bad first sample is reported)."""
+        self = cls.__new__(cls)
+        self._configure(basic_param, preprocess_param, dataset_param, 0)
+        for path in self.files:
+            for where, obj in iter_records(path):
+                self.records.append(self._record(where, obj))
+                break
+        if not self.records:
+            raise DataError(f"{', '.join(str(p) for p in self.files)}: no record in any file")
+        try:
+            sample = self.encode(0)
+            first = (
+                f"first record: {len(sample['input_ids']):,} tokens, "
+                f"{len(sample.get('image_grid_thw', ())):,} image(s) (cutoff_len {self.cutoff_len})"
+            )
+        except DataError as e:
+            if self.on_error != "skip":
+                raise
+            first = f"first record would be skipped (on_error: skip): {e}"
+        size = sum(p.stat().st_size for p in self.files)
+        more = ", ..." if len(self.files) > 1 else ""
+        limit = f"{self.max_source_pixels:,}" if self.max_source_pixels else "no limit"
+        return [
+            f"{len(self.files)} file(s), {size / 2**20:.1f} MiB ({self.files[0]}{more}); processor "
+            f"{self.processor.tokenizer.name_or_path} (images resized to at most "
+            f"{self.processor.target_pixels or '?'} pixels, sources over {limit} refused)",
+            first,
+        ]
 
     def __len__(self) -> int:
         return len(self.records)

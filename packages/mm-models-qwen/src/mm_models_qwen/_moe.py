@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
 from mm_core.models import init_expert_adapters
@@ -16,7 +19,8 @@ def init_qwen3_5_moe(model: nn.Module) -> None:
     transformers' ``init_weights()`` treats a subclass defined outside transformers as custom code and skips
     the modules without parameters of their own, so ``Qwen3_5MoeSparseMoeBlock`` (which initialises its
     router ``gate``) is passed over on meta-device init; a normal build initialises it normal(0, std)."""
-    std = model.config.get_text_config().initializer_range  # type: ignore[union-attr]
+    config = cast(PretrainedConfig, model.config)  # nn.Module.__getattr__ types it Tensor | Module
+    std = config.get_text_config().initializer_range
     for module in model.modules():
         if isinstance(module, Qwen3_5MoeSparseMoeBlock):
             module.gate.weight.normal_(0.0, std)

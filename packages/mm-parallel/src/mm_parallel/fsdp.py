@@ -78,5 +78,4 @@ def apply_fsdp(
         if unit is model:
             continue
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
-    return model  # type: ignore[return-value]
+    return fully_shard(model, **kwargs)  # the same object, its class now also an FSDPModule

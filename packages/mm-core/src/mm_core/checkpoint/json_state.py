@@ -29,7 +29,9 @@ def from_json_tensor(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.cpu().numpy().tobytes()).decode("utf-8"))
 
 
-def split(obj: Any, path: str = "", tensors: dict[str, torch.Tensor] | None = None) -> tuple[Any, dict]:
+def split(
+    obj: Any, path: str = "", tensors: dict[str, torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Replace every tensor leaf of ``obj`` by a reference and collect the tensors by path.
 
     Returns ``(skeleton, tensors)``: the skeleton is JSON-serialisable (tuples and dicts with non-string

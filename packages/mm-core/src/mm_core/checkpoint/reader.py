@@ -1,8 +1,8 @@
 """Read DCP checkpoints as data: a restricted unpickler for ``.metadata``, tensors only, one-line errors.
 
 A checkpoint is data, never code. DCP stores its ``.metadata`` as a pickle and reads it back with
-``pickle.load``, and reads any value stored as bytes with ``torch.load(weights_only=False)``; either would
-run whatever a crafted file asks for. Every read mm makes goes through this module instead:
+``pickle.load``, and reads any value stored as bytes with ``torch.load`` and ``weights_only=False``; either
+would run whatever a crafted file asks for. Every read mm makes goes through this module instead:
 
 - :func:`read_metadata` unpickles ``.metadata`` with an unpickler that admits only DCP's metadata classes,
   ``torch.Size``, torch dtypes and layouts, paths and plain containers; anything else is refused, naming the
@@ -25,7 +25,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ class MetadataUnpickler(pickle.Unpickler):
 def _unpickle(file: Path) -> Metadata:
     try:
         with open(file, "rb") as f:
-            meta = MetadataUnpickler(f).load()
+            meta: Metadata = MetadataUnpickler(f).load()  # checked by _check_structure below
     except _Refused as exc:
         raise CheckpointError(
             f"{file}: refused: it asks to import {exc.what}, which DCP checkpoint metadata never holds; a "
@@ -306,7 +306,7 @@ def raise_on_all_ranks(fn: Callable[[], T]) -> T:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         if error is not None:
             raise error
-        return result
+        return cast(T, result)
     rank = dist.get_rank()
     mine: MMError | None = None
     if isinstance(error, MMError):
@@ -320,4 +320,4 @@ def raise_on_all_ranks(fn: Callable[[], T]) -> T:
         raise error  # a bug keeps its traceback on the rank where it happened
     if first is not None:
         raise type(first)(str(first)) from None
-    return result
+    return cast(T, result)  # fn() returned on every rank

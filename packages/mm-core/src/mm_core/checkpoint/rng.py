@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -26,7 +27,8 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
-        np_state = np.random.get_state()
+        # numpy's stub types the default (legacy=True) result as the dict form; it is the MT19937 tuple
+        np_state = cast("tuple[str, npt.NDArray[np.uint32], int, int, float]", np.random.get_state())
         state = {
             "python_version": torch.tensor(version, dtype=torch.int64),
             "python_state": torch.tensor(internal, dtype=torch.int64),
@@ -71,6 +73,6 @@ def set_deterministic(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
-    if torch.backends.cudnn.is_available():
+    if torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]  # unannotated in torch
         torch.backends.cudnn.benchmark = not enabled and torch.backends.cudnn.benchmark
         torch.backends.cudnn.deterministic = enabled

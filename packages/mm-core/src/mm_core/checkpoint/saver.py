@@ -27,7 +27,7 @@ log = logging.getLogger("mm")
 @dataclass
 class _Pending:
     step: int
-    future: Future
+    future: Future[None]
     config_text: str | None
 
 
@@ -69,6 +69,7 @@ class CheckpointSaver:
             storage_writer=FileSystemWriter(str(partial)),
             process_group=self._group,
         )
+        assert isinstance(future, Future)  # an AsyncSaveResponse comes only with an async_stager
         self._pending = _Pending(step, future, config_text)
         return layout.step_dir(self.root, step)
 

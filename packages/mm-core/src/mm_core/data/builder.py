@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mm_core.config.schema import DataConfig
 from mm_core.errors import ConfigError
 from mm_core.registry import collator_register, data_register
 
+#: A collate function: the samples of one micro-batch -> the batch (model inputs plus ``labels``).
+Collate = Callable[[list[dict[str, Any]]], dict[str, Any]]
 
-def build_dataset(cfg: DataConfig, seed: int) -> Dataset:
+
+class MapDataset(Protocol):
+    """What mm needs of a dataset plugin: map-style, ``len(ds)`` and ``ds[i]`` (checked by
+    :func:`build_dataset`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+def build_dataset(cfg: DataConfig, seed: int) -> MapDataset:
     """Call the registered dataset class or factory named by ``data.dataset_param.dataset_type``."""
     dp = cfg.dataset_param
     factory = data_register.get(dp.dataset_type)
-    dataset = factory(
+    dataset: MapDataset = factory(  # a plugin's object: checked to be map-style below
         basic_param=dict(dp.basic_parameters),
         preprocess_param=dict(dp.preprocess_parameters),
         dataset_param=dp,
@@ -36,17 +48,18 @@ def build_dataset(cfg: DataConfig, seed: int) -> Dataset:
     return dataset
 
 
-def build_collator(cfg: DataConfig, dataset: Dataset) -> Callable[[list[dict]], dict]:
+def build_collator(cfg: DataConfig, dataset: MapDataset) -> Collate:
     """The collate rule: a dataset's own callable ``collate_fn`` wins; else ``collate_param.collator_id``
     (alias ``model_name``) picks a registered collator; else the tensors are stacked."""
     own = getattr(dataset, "collate_fn", None)
     if callable(own):
-        return own
+        return cast(Collate, own)
     param = cfg.dataloader_param.collate_param
     if param.name is None:
         return torch.utils.data.default_collate
     factory = collator_register.get(param.name)
-    return factory(param.model_dump(), dataset)
+    collate: Collate = factory(param.model_dump(), dataset)
+    return collate
 
 
 class GlobalOrderSampler(Sampler[int]):
@@ -112,8 +125,8 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 def build_dataloader(
-    dataset: Dataset,
-    collate_fn: Callable[[list[dict]], dict],
+    dataset: MapDataset,
+    collate_fn: Collate,
     cfg: DataConfig,
     *,
     micro_batch_size: int,
@@ -176,7 +189,7 @@ class EpochIterator:
             raise TypeError("EpochIterator needs a loader from build_dataloader (a GlobalOrderSampler)")
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch consumed by training
-        self._it: Iterator | None = None
+        self._it: Iterator[dict[str, Any]] | None = None
         self._start = 0  # global position this iterator started at
         self._yielded = 0  # micro-batches this iterator has returned
 
@@ -184,7 +197,7 @@ class EpochIterator:
         per_batch = self.sampler.micro_batch_size * self.sampler.dp_size
         return self._start + min(self._yielded * per_batch, len(self.sampler) * self.sampler.dp_size)
 
-    def __next__(self) -> dict:
+    def __next__(self) -> dict[str, Any]:
         while True:
             if self._it is None:
                 self.sampler.set_position(self.epoch, self.consumed)

@@ -73,8 +73,13 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
         config = AutoConfig.from_pretrained(
             path, trust_remote_code=args.trust_remote_code, local_files_only=True
         )
-    else:
+    elif model_cls.config_class is not None:
         config = model_cls.config_class()
+    else:
+        raise ConfigError(
+            f"model.model_name_or_path: {model_cls.__name__} has no config_class; point "
+            "model.model_name_or_path at a local Hugging Face folder with a config.json"
+        )
     config = _update_config(config, args.config_overrides, "model.config_overrides")
     config.use_cache = False
     return config
@@ -85,7 +90,8 @@ class ModelHub:
 
     @staticmethod
     def model_class(args: ModelConfig) -> type:
-        return model_register.get(args.model_id)
+        cls: type = model_register.get(args.model_id)
+        return cls
 
     @staticmethod
     def build(args: ModelConfig, *, meta: bool = False) -> nn.Module:
@@ -105,7 +111,8 @@ class ModelHub:
                 )
             if meta or args.from_scratch:
                 with device_ctx:
-                    model = cls._from_config(
+                    # PreTrainedModel._from_config is unannotated in transformers
+                    model: PreTrainedModel = cls._from_config(  # type: ignore[no-untyped-call]
                         config, attn_implementation=args.attn_implementation, dtype=torch.float32
                     )
             else:

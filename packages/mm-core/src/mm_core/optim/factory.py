@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,9 +59,10 @@ def optimizer_plugin(name: str) -> OptimizerPlugin:
     return obj if isinstance(obj, OptimizerPlugin) else OptimizerPlugin(build=obj)
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: matrices (and higher) take weight decay; biases, norms and other 1-D params do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

@@ -78,7 +78,7 @@ def apply_schedule_changes(
     groups = optimizer.param_groups
     if len(groups) != len(configured):
         return notices
-    base_lrs = [float(c["initial_lr"]) for c in configured]
+    base_lrs: list[float | torch.Tensor] = [float(c["initial_lr"]) for c in configured]  # as LRScheduler
     for group, mine, base in zip(groups, configured, base_lrs):
         for key, value in mine.items():
             if key not in _STATE_ONLY:

@@ -6,6 +6,8 @@ mm-parallel is called with explicit modules and meshes.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,10 @@ _DTYPES = {
 }
 
 
+@overload
+def to_dtype(name: str) -> torch.dtype: ...
+@overload
+def to_dtype(name: None) -> None: ...
 def to_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else _DTYPES[name]
 
@@ -92,7 +98,7 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
     """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root. With
     ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them."""
     path = cfg.model.model_name_or_path
-    check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path) and has_weights(path))
+    check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path and has_weights(path)))
     if cfg.training.lora.enable:
         apply_lora(model, cfg.training.lora)
     plan = cfg.parallel.fsdp_plan
@@ -126,6 +132,7 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
         cpu_offload=plan.cpu_offload,
         ignored_params=ignored_params(model, cfg) or None,
     )
+    assert isinstance(sharded, nn.Module)  # apply_fsdp returns `model`, now also an FSDPModule
     apply_prefetch(sharded, cfg, [(unit_names[id(m)], m) for m in units])
     return sharded
 

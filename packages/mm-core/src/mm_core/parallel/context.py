@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -98,7 +98,8 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
             "can be formed on one rank; use per_token_loss"
         )
     config = getattr(model, "config", None)
-    if not hasattr(model, "set_attn_implementation") or config is None:
+    set_attn_implementation = getattr(model, "set_attn_implementation", None)
+    if not callable(set_attn_implementation) or config is None:
         raise ConfigError(
             f"parallel.{key}: model {cfg.model.model_id!r} ({type(model).__name__}) is not a transformers "
             "model using AttentionInterface, which context parallelism plugs into"
@@ -122,9 +123,9 @@ def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: Paral
             f"num_attention_heads {heads}"
         )
     if towers:  # only the language model: the towers keep their attention over their own inputs
-        model.set_attn_implementation({"text_config": register_attention()})
+        set_attn_implementation({"text_config": register_attention()})
     else:
-        model.set_attn_implementation(register_attention())
+        set_attn_implementation(register_attention())
     if getattr(text, "_attn_implementation", None) != ATTENTION_NAME:
         raise ConfigError(
             f"parallel.{key}: {type(model).__name__} did not accept the attention implementation "
@@ -217,6 +218,10 @@ class ContextParallel:
         split_module.register_forward_pre_hook(_split_hook(plan.cp_packed), with_kwargs=True)
         return cls(state, split_module)
 
+    @overload
+    def shard(self, batch: dict[str, Any], targets: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]: ...
+    @overload
+    def shard(self, batch: dict[str, Any], targets: None) -> tuple[dict[str, Any], None]: ...
     def shard(
         self, batch: dict[str, Any], targets: torch.Tensor | None
     ) -> tuple[dict[str, Any], torch.Tensor | None]:

@@ -79,11 +79,13 @@ def apply_expert_parallel(
     if not names:
         return []
     sizes = state.sizes
-    ep_mesh = state.expert_mesh["ep"] if sizes.ep > 1 else None
+    mesh = state.expert_mesh  # (dp_replicate, efsdp, ep); init_parallel_state builds it whenever ep > 1
+    if sizes.ep > 1 and mesh is None:
+        raise ValueError("expert parallelism (ep > 1) needs ParallelState.expert_mesh")
+    ep_mesh = mesh["ep"] if mesh is not None and sizes.ep > 1 else None
     adapter = plan_of(model).expert_adapter or ExpertParallelExperts
     swapped = swap_experts(model, names, ep_mesh, adapter=adapter)
-    if sizes.ep > 1:
-        mesh = state.expert_mesh
+    if mesh is not None and sizes.ep > 1:
         fsdp_mesh = mesh["dp_replicate", "efsdp"] if sizes.dp_replicate > 1 else mesh["efsdp"]
         # the loss is scaled for an average over every rank (see Trainer.train_step): divide expert
         # gradients by the same number, although FSDP reduces them over only world / ep ranks

@@ -6,9 +6,11 @@ Layout: ``world = dp_replicate x dp_shard x cp``. FSDP shards parameters over ``
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mm_core.config.schema import ParallelConfig
 from mm_core.errors import ConfigError
 from mm_parallel.device import detect_device_type, process_group_backend, set_local_device
+from mm_parallel.teardown import wait_for_idle_threads
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,9 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         """Index of this rank among the ranks that read different data."""
-        replicate, shard = self.world_mesh.get_coordinate()[:2]
+        coordinate = self.world_mesh.get_coordinate()
+        assert coordinate is not None  # every rank is in the world mesh
+        replicate, shard = coordinate[:2]
         return replicate * self.sizes.dp_shard + shard
 
 
@@ -209,7 +214,9 @@ def _mesh_of_groups(
         for row in layout.movedim(dim, -1).reshape(-1, size).tolist():
             key = tuple(row)
             if key not in groups:
-                groups[key] = dist.group.WORLD if size == world else dist.new_group(row, timeout=timeout)
+                group = dist.group.WORLD if size == world else dist.new_group(row, timeout=timeout)
+                assert group is not None  # the default group exists (init_distributed)
+                groups[key] = group
             if rank in key:
                 mine.append(groups[key])
     return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=names)
@@ -222,12 +229,18 @@ def init_distributed(device_type: str | None = None, timeout_minutes: int = 30) 
     A new group has the backends of :func:`mm_parallel.device.process_group_backend` (``cuda:nccl,cpu:gloo``
     on GPUs) and the given collective timeout. The local accelerator is bound first; on cuda it is also
     passed as ``device_id``, which torch documents as making NCCL connect eagerly (errors show at start-up)
-    and create subgroups by ``ncclCommSplit``. A group that already exists is used as it is."""
+    and create subgroups by ``ncclCommSplit``. A group that already exists is used as it is.
+
+    At interpreter exit the process first waits for the communication threads to be idle
+    (:func:`mm_parallel.teardown.wait_for_idle_threads`): without it, a gloo thread still releasing the last
+    collective's tensors can abort a finished run (``terminate called without an active exception``)."""
     device_type = device_type or detect_device_type()
+    atexit.unregister(wait_for_idle_threads)  # registered once however often this runs
+    atexit.register(wait_for_idle_threads)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         device = set_local_device(device_type, local_rank)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "backend": process_group_backend(device_type),
             "timeout": datetime.timedelta(minutes=timeout_minutes),
             "device_id": device if device_type == "cuda" else None,
@@ -245,13 +258,13 @@ def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> 
     sizes = resolve_sizes(cfg, world)
     device = set_local_device(device_type, local_rank)
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
-    world, shard, expert = build_meshes(device_type, sizes, timeout)
+    world_mesh, shard, expert = build_meshes(device_type, sizes, timeout)
     return ParallelState(
         sizes=sizes,
         rank=rank,
         local_rank=local_rank,
         device=device,
-        world_mesh=world,
+        world_mesh=world_mesh,
         shard_mesh=shard,
         expert_mesh=expert,
     )

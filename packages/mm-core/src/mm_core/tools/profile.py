@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -36,7 +37,7 @@ class StepProfiler:
         self.enabled = cfg.enable and rank in cfg.ranks
         self.save_dir = Path(cfg.save_path) if cfg.save_path else default_dir
         self.trace_path: Path | None = None
-        self._prof = None
+        self._prof: Any = None  # torch.profiler.profile, or torch_npu's (no common static type)
         self._range: contextlib.AbstractContextManager | None = None
 
     def _make(self):

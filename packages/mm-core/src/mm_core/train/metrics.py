@@ -55,7 +55,7 @@ class MetricsLogger:
             )
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")

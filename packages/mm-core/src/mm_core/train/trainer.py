@@ -95,7 +95,7 @@ class Trainer:
         self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
-        self.float_dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
+        self.float_dtype: torch.dtype | None = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
         if self.float_dtype == torch.float32:
             self.float_dtype = None
 
@@ -158,6 +158,7 @@ class Trainer:
             if hf_weights and not weights_from_load:
                 from mm_core.convert import load_hf_weights
 
+                assert cfg.model.model_name_or_path is not None  # hf_weights implies it
                 load_hf_weights(model, cfg.model.model_name_or_path)
                 check_initialised(model)
         model.train()
@@ -243,7 +244,7 @@ class Trainer:
         return torch.full_like(self._zero, float(batch["input_ids"].numel()))
 
     def _forward_loss(
-        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: float
+        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
         reported loss (a sum over loss units, or the raw loss)."""
@@ -434,7 +435,7 @@ class Trainer:
                     self.progress.consumed_samples += (
                         tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
                     )
-                    self.progress.consumed_tokens += metrics["tokens"]
+                    self.progress.consumed_tokens += int(metrics["tokens"])
                     if logged:
                         peak = metrics.pop("peak_mem_gb")
                         record = {"step": step, **metrics, "tokens_per_s": metrics["tokens"] / dt}
@@ -465,7 +466,7 @@ class Trainer:
             if self._saved_step != step:
                 self.save()
             self.saver.wait()
-            path = read_latest(Path(self.cfg.training.save))
+            path = read_latest(self.saver.root)
         where = (
             f"saved {path}; resume with training.load: auto"
             if path is not None
@@ -505,8 +506,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        if getattr(self, "saver", None) is not None:
-            self.saver.close()  # a process exit waits for an asynchronous save in flight
+        saver = getattr(self, "saver", None)  # None, or not set yet when __init__ failed
+        if saver is not None:
+            saver.close()  # a process exit waits for an asynchronous save in flight
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

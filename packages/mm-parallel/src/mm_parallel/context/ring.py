@@ -19,7 +19,6 @@ import torch.distributed as dist
 from mm_parallel.context.kernel import acc_dtype, block_backward, block_forward
 from mm_parallel.context.layout import SequenceLayout
 
-
 # the requests of one shift, and the tensors they receive into
 _Pending = tuple[list[dist.Work], list[torch.Tensor]]
 
