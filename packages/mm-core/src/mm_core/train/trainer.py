@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from mm_core.checkpoint.layout import read_latest
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset, move_to_device
-from mm_core.errors import ConfigError, DataError, NonFiniteError, TrainingInterrupted
+from mm_core.errors import ConfigError, DataError, TrainingInterrupted
 from mm_core.models.hub import ModelHub, has_weights
 from mm_core.models.output import output_field
 from mm_core.models.plan import plan_of
@@ -42,6 +41,7 @@ from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
 from mm_core.train.loss import count_units, loss_sum, shift_labels
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
+from mm_core.train.nonfinite import NonFiniteGuard
 from mm_core.train.outputs import check_run_outputs
 from mm_core.train.signals import StopRequest
 from mm_parallel.grad import clip_grad_norm_
@@ -73,7 +73,6 @@ class Trainer:
         self.stop = StopRequest()
         self.skipped_samples = 0  # records skipped by the data (on_error: skip), all ranks, this process
         self._skipped_pending = 0  # this rank's, not yet summed
-        self.nonfinite_skipped = 0  # steps skipped for a non-finite loss or grad norm, this process
         self._labels_withheld_ok = False
         self._saved_step: int | None = None
 
@@ -93,6 +92,7 @@ class Trainer:
         self.model = self._build_model()
         self._model_name = type(self.model).__name__
         self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
+        self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self._info)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
         self.float_dtype: torch.dtype | None = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
@@ -364,37 +364,13 @@ class Trainer:
             metrics["aux_loss"] = aux
         if log_memory:
             metrics["peak_mem_gb"] = values[7]
-        if self._finite_or_skip(step_loss, gnorm):
+        if self.nonfinite.allows_update(self.progress.step + 1, step_loss, gnorm):
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.cfg.training.skip_nonfinite_steps:
-            metrics["skipped_nonfinite_steps"] = self.nonfinite_skipped
+            metrics["skipped_nonfinite_steps"] = self.nonfinite.skipped
         return metrics
-
-    def _finite_or_skip(self, loss: float, grad_norm: float) -> bool:
-        """True when the step may update the model. A non-finite loss or grad norm is skipped while
-        ``training.skip_nonfinite_steps`` allows, else the run stops (no update, no checkpoint of it)."""
-        bad = [f"{name} is {value}" for name, value in (("loss", loss), ("grad norm", grad_norm))]
-        bad = [b for b, v in zip(bad, (loss, grad_norm)) if not math.isfinite(v)]
-        if not bad:
-            return True
-        step = self.progress.step + 1
-        allowed = self.cfg.training.skip_nonfinite_steps
-        if self.nonfinite_skipped < allowed:
-            self.nonfinite_skipped += 1
-            self._info(
-                f"step {step}: the {' and the '.join(bad)}; skipped the update "
-                f"({self.nonfinite_skipped} of training.skip_nonfinite_steps: {allowed})"
-            )
-            return False
-        saved = read_latest(Path(self.cfg.training.save)) if self.cfg.training.save else None
-        raise NonFiniteError(
-            f"training stopped at step {step}: the {' and the '.join(bad)}; the update was not applied "
-            f"and no checkpoint of it was written (last good checkpoint: {saved or 'none'}); lower "
-            "training.lr or check the data, or set training.skip_nonfinite_steps: N to skip up to N such "
-            "steps" + (f" (already skipped {allowed})" if allowed else "")
-        )
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
@@ -480,30 +456,12 @@ class Trainer:
     def save(self) -> Path:
         """Save a checkpoint of this step (with ``training.save_async``, start one; it completes later)."""
         assert self.saver is not None, "training.save is not set"
-        self._check_weights_finite()
+        self.nonfinite.check_weights(self.model, self.progress.step, self.state.device)
         self._saved_step = self.progress.step
         path = self.saver.save(self.progress.step, self.train_state, self.config_text())
         if not self.cfg.training.save_async:
             self._info(f"saved checkpoint {path}")
         return path
-
-    def _check_weights_finite(self) -> None:
-        """Refuse to write a checkpoint of non-finite weights (every rank checks its shards, all agree)."""
-        named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()]
-        named = [(n, t) for n, t in named if t.numel()]
-        finite = torch.stack([torch.isfinite(t).all() for _, t in named])
-        bad = finite.logical_not().sum().to(self._zero.dtype).reshape(1)
-        dist.all_reduce(bad)
-        if not bad.item():
-            return
-        mine = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
-        shown = ", ".join(mine[:5]) or "tensors on other ranks"
-        saved = read_latest(Path(self.cfg.training.save)) if self.cfg.training.save else None
-        raise NonFiniteError(
-            f"training stopped at step {self.progress.step}: the weights are not finite ({shown}); no "
-            f"checkpoint of them was written (last good checkpoint: {saved or 'none'}); lower training.lr "
-            "or check the data"
-        )
 
     def close(self) -> None:
         saver = getattr(self, "saver", None)  # None, or not set yet when __init__ failed
