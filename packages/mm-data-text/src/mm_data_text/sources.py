@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_core.data.params import BASIC
+from mm_core.data.textfile import read_utf8, utf8_lines
 from mm_core.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -59,37 +60,22 @@ def resolve_paths(
     return files
 
 
-def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
-    return f"not valid UTF-8 at byte offset {offset} ({e.reason}); save the file as UTF-8"
-
-
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, object)`` for each non-blank line; DataError names ``file:line``."""
-    offset = 0  # byte offset of the line in the file
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: {_not_utf8(e, offset + e.start)}") from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
+    for lineno, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
 
 
 def _read_txt(path: Path, txt_document: str) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line_no = path.read_bytes().count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line_no}: {_not_utf8(e, e.start)}") from None
+    text = read_utf8(path)
     if txt_document == "file":
         return [text] if text.strip() else []
     docs: list[str] = []
@@ -195,22 +181,16 @@ def first_document(path: Path, text_key: str = "text", txt_document: str = "blan
         return None
     if path.suffix == ".txt":
         lines: list[str] = []
-        size, offset = 0, 0
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: {_not_utf8(e, offset + e.start)}") from None
-                offset += len(raw)
-                if txt_document == "blank_line" and not line.strip():
-                    if lines:
-                        break
-                    continue
-                lines.append(line)
-                size += len(line)
-                if size >= FIRST_DOCUMENT_CHARS:
+        size = 0
+        for _, line in utf8_lines(path):
+            if txt_document == "blank_line" and not line.strip():
+                if lines:
                     break
+                continue
+            lines.append(line)
+            size += len(line)
+            if size >= FIRST_DOCUMENT_CHARS:
+                break
         text = "".join(lines)
         if txt_document == "blank_line":
             text = text.rstrip("\n")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mm_core.data.textfile import read_utf8, utf8_lines
 from mm_core.errors import ConfigError, DataError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -36,40 +37,23 @@ def resolve_files(dataset: str | list[str], dataset_dir: str | None, key: str) -
     return files
 
 
-def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
-    return f"not valid UTF-8 at byte offset {offset} ({e.reason}); save the file as UTF-8"
-
-
 def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each record; ``where`` is ``file:line`` (jsonl) or ``file[index]`` (json)."""
     if path.suffix == ".jsonl":
-        offset = 0  # byte offset of the line in the file
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{where}: {_not_utf8(e, offset + e.start)}") from None
-                offset += len(raw)
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: a record must be a JSON object")
-                yield where, obj
+        for lineno, line in utf8_lines(path):
+            where = f"{path}:{lineno}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: a record must be a JSON object")
+            yield where, obj
         return
-    raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_no = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line_no}: {_not_utf8(e, e.start)}") from None
-    try:
-        data = json.loads(text)
+        data = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
