@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from _mm import QUICKSTART, REPO
+from _mm import QUICKSTART
 from torch import nn
 from transformers import AutoConfig
 
@@ -23,16 +22,6 @@ SMALL = [
     "training.save=null",
     "tools.tensorboard.enable=false",
 ]
-
-
-@pytest.fixture
-def group(monkeypatch):
-    monkeypatch.chdir(REPO)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_meta_init_initialises_every_tensor(group):

@@ -10,8 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-import torch.distributed as dist
-from _mm import QUICKSTART, REPO
+from _mm import QUICKSTART
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -50,16 +49,6 @@ MOE_MODELS = {
         "model.language_model.layers.{*}.mlp.experts",
     ),
 }
-
-
-@pytest.fixture
-def group(monkeypatch):
-    monkeypatch.chdir(REPO)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_check_prints_the_model_plan_and_the_optimizer_summary(capsys) -> None:
