@@ -69,7 +69,10 @@ def test_paths_lists_dirs_and_parquet(tmp_path, tokenizer_dir):
     by_list = make(tmp_path, tokenizer_dir, dataset=["corpus/x.jsonl", "corpus/y.parquet"], seq_len=4)
     by_glob = make(tmp_path, tokenizer_dir, dataset="corpus/*.jsonl", seq_len=4)
     assert by_dir.num_documents == 6
-    assert torch.equal(by_dir.stream.tokens, by_list.stream.tokens) and by_glob.num_documents == 3
+    whole = by_dir.store.tokens(0, by_dir.num_tokens)
+    assert (whole == by_list.store.tokens(0, by_list.num_tokens)).all() and by_glob.num_documents == 3
+    # a directory is one source; a list of two files is two sources whose blocks never cross between them
+    assert by_dir.source_sizes == [by_dir.num_tokens // 4] and len(by_list.source_sizes) == 2
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path, tokenizer_dir):

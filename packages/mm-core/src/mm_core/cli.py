@@ -1,4 +1,4 @@
-"""The ``mm`` command: train, check, plugins, convert. User errors print one line and exit with status 2."""
+"""The ``mm`` command: train, check, data, plugins, convert. User errors print one line and exit with status 2."""
 
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def _cmd_check(args: argparse.Namespace) -> int:
         run_check(load_config(args.config, args.overrides), args.world_size)
 
     return guarded(go)
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    verified = True
+
+    def go() -> None:
+        nonlocal verified
+        from mm_core.config import load_config
+        from mm_core.data.prepare import prepare_data, verify_data
+
+        cfg = load_config(args.config, args.overrides)
+        if args.action == "prepare":
+            prepare_data(cfg, workers=args.workers, overwrite=args.overwrite)
+        else:
+            verified = verify_data(cfg)
+
+    code = guarded(go)
+    return code or (0 if verified else 1)
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -106,6 +124,13 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=1, help="world size to check the layout for")
+
+    p = add("data", "prepare a config's dataset ahead of training (tokenise once), or verify it", _cmd_data)
+    p.add_argument("action", choices=["prepare", "verify"])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--workers", type=int, default=None, help="prepare: local processes (default: every CPU)")
+    p.add_argument("--overwrite", action="store_true", help="prepare: rebuild even when the cache is current")
 
     add("plugins", "list installed models, datasets, collators and optimizers", _cmd_plugins)
 

@@ -46,14 +46,18 @@ class PackedStream:
             raise IndexError(f"block {index} out of range for {n} blocks")
         index %= n
         lo, hi = index * self.seq_len, (index + 1) * self.seq_len
-        input_ids = self.tokens[lo:hi].long()
-        starts = self.doc_start[lo:hi]
-        idx = torch.arange(self.seq_len)
-        seg_start = torch.where(starts | (idx == 0), idx, torch.zeros_like(idx)).cummax(0).values
-        position_ids = idx - seg_start
-        labels = input_ids.clone()
-        labels[starts & (idx > 0)] = IGNORE_INDEX
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        return block_fields(self.tokens[lo:hi].long(), self.doc_start[lo:hi])
+
+
+def block_fields(input_ids: torch.Tensor, starts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` and ``position_ids`` of one block from its tokens (long) and its
+    document-start flags (bool), by the rules in the module docstring."""
+    idx = torch.arange(input_ids.numel())
+    seg_start = torch.where(starts | (idx == 0), idx, torch.zeros_like(idx)).cummax(0).values
+    position_ids = idx - seg_start
+    labels = input_ids.clone()
+    labels[starts & (idx > 0)] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def pack_documents(token_lists: Sequence[Sequence[int]], seq_len: int, eos_id: int | None) -> PackedStream:

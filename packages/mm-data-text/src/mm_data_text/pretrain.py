@@ -4,26 +4,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from mm_core.data.cache import (
+    CacheOptions,
+    cache_fields,
+    open_cache,
+    parallel_map,
+    tokenizer_fingerprint,
+    verify_cache,
+)
 from mm_core.data.params import (
     BASIC,
     PREPROCESS,
     boolean,
+    check_weights,
     choice,
     optional_string,
+    optional_weights,
     paths,
     positive_int,
     read_params,
     string,
 )
+from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import DataError
 
-from .packing import PackedStream, pack_documents
-from .sources import TEXT_SUFFIXES, describe_files, first_document, read_documents, resolve_paths
+from .packing import block_fields
+from .sources import TEXT_SUFFIXES, describe_files, first_document, resolve_paths
 from .tokenizer import eos_id, load_tokenizer, pad_id
+from .units import Unit, plan_units, unit_documents
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +47,8 @@ BASIC_FIELDS = {
     "seq_len": positive_int(),
     "text_key": string("text"),
     "txt_document": choice(("blank_line", "file"), "blank_line"),
+    "weights": optional_weights(),
+    **cache_fields(),
 }
 PREPROCESS_FIELDS = {
     "model_name_or_path": string(),
@@ -58,10 +74,41 @@ def encode_documents(tokenizer: Any, docs: Sequence[str], eos: int | None) -> li
     return out
 
 
+def _entries(spec: str | list[str]) -> list[str]:
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _tokenizer(path: str) -> Any:
+    """The tokenizer at ``path``, loaded once per process."""
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = load_tokenizer(path)
+    return _TOKENIZERS[path]
+
+
+def _prepare_unit(task: tuple[Unit, dict[str, Any], str, str]) -> dict[str, Any]:
+    """Tokenise one unit into one token shard (runs in a preparation process)."""
+    unit, settings, out_dir, stem = task
+    tokenizer = _tokenizer(settings["tokenizer"])
+    eos = eos_id(tokenizer) if settings["add_eos"] else None
+    docs = unit_documents(unit, settings["text_key"], settings["txt_document"])
+    writer = ShardWriter(Path(out_dir), stem, settings["dtype"])
+    for lo in range(0, len(docs), ENCODE_BATCH):
+        for ids in encode_documents(tokenizer, docs[lo : lo + ENCODE_BATCH], eos):
+            if ids:  # an empty document (no eos) adds nothing to the stream
+                writer.add(ids)
+    return writer.close()
+
+
 class TextPretrainDataset(torch.utils.data.Dataset):
     """Packed causal-LM pretraining blocks of ``seq_len`` tokens (see ``mm_data_text.packing`` for the rules).
 
-    Every document is tokenised once at construction and the packed stream is kept in memory as int32.
+    The corpus is tokenised once into memory-mapped token shards (``mm_core.data.tokenstore``) in a cache
+    folder (``mm_core.data.cache``), in parallel across local processes; every later start, on every rank,
+    only maps them. Each entry of ``basic_parameters.dataset`` is one source with its own token stream (its
+    files in order), cut into blocks that never cross sources; ``weights`` mixes the sources.
     """
 
     def __init__(
@@ -71,38 +118,123 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         dataset_param: Any = None,
         *,
         seed: int = 0,
+        workers: int | None = None,
+        overwrite: bool = False,
     ) -> None:
         basic = read_params(basic_param, BASIC_FIELDS, BASIC)
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
         self.seed = seed
         self.seq_len: int = basic["seq_len"]
-        self.files = resolve_paths(basic["dataset"], basic["dataset_dir"], TEXT_SUFFIXES)
+        entries = _entries(basic["dataset"])
+        self.source_weights = check_weights(basic["weights"], len(entries), f"{BASIC}.weights")
+        self.entry_files = [resolve_paths(e, basic["dataset_dir"], TEXT_SUFFIXES) for e in entries]
+        self.files = [f for files in self.entry_files for f in files]
         tokenizer = load_tokenizer(pre["model_name_or_path"])
-        eos = eos_id(tokenizer) if pre["add_eos"] else None
         self.pad_token_id = pad_id(tokenizer)
-        token_lists: list[list[int]] = []
-        for path in self.files:
-            docs = read_documents(path, basic["text_key"], basic["txt_document"])
-            token_lists.extend(encode_documents(tokenizer, docs, eos))
-        self.num_documents = len(token_lists)
-        self.stream: PackedStream = pack_documents(token_lists, self.seq_len, None)
-        self.dropped_tokens = self.stream.num_tokens - len(self.stream) * self.seq_len
-        if len(self.stream) == 0:
-            names = ", ".join(str(p) for p in self.files)
-            raise DataError(
-                f"{names}: {self.num_documents} documents give {self.stream.num_tokens} tokens, "
-                f"fewer than one block ({BASIC}.seq_len = {self.seq_len}); "
-                "add data or lower seq_len"
+        options = CacheOptions.read(basic, workers=workers, overwrite=overwrite)
+        settings = {
+            "tokenizer": pre["model_name_or_path"],
+            "add_eos": pre["add_eos"],
+            "text_key": basic["text_key"],
+            "txt_document": basic["txt_document"],
+            "dtype": token_dtype(len(tokenizer)),
+        }
+        if settings["add_eos"]:
+            eos_id(tokenizer)  # a tokenizer without eos is a config error before any work
+        spec = {
+            **{k: v for k, v in settings.items() if k != "tokenizer"},
+            "tokenizer": tokenizer_fingerprint(pre["model_name_or_path"]),
+            "entries": [[str(f.resolve()) for f in files] for files in self.entry_files],
+        }
+
+        def build(folder: Path) -> dict[str, Any]:
+            units = [[u for f in files for u in plan_units(f, basic["txt_document"])] for files in self.entry_files]
+            tasks = [
+                (u, settings, str(folder), f"s{s:03d}-{i:05d}")
+                for s, source_units in enumerate(units)
+                for i, u in enumerate(source_units)
+            ]
+            logger.info(
+                "text_pretrain: preparing %s in %d unit(s) with %d process(es) into %s",
+                describe_files(self.files),
+                len(tasks),
+                min(options.workers, len(tasks)),
+                folder.parent,
             )
+            shards = parallel_map(_prepare_unit, tasks, options.workers)
+            counts = [len(u) for u in units]
+            bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+            return {"dtype": settings["dtype"], "sources": [shards[a:b] for a, b in zip(bounds, bounds[1:])]}
+
+        self.prepared, self.built = open_cache(
+            root=options.root,
+            name="text_pretrain",
+            spec=spec,
+            sources=self.files,
+            build=build,
+            on_stale=options.on_stale,
+            overwrite=options.overwrite,
+            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
+        )
+        payload = self.prepared.payload
+        shards = [shard for source in payload["sources"] for shard in source]
+        self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=False)
+        # first token of every source in the store, blocks per source, first block of every source
+        source_tokens = [sum(int(sh["tokens"]) for sh in source) for source in payload["sources"]]
+        self.source_token_base = np.concatenate([[0], np.cumsum(source_tokens)]).astype(np.int64)
+        self.source_sizes = [n // self.seq_len for n in source_tokens]
+        self.block_base = np.concatenate([[0], np.cumsum(self.source_sizes)]).astype(np.int64)
+        self.num_documents = self.store.num_documents
+        self.num_tokens = self.store.num_tokens
+        self.dropped_tokens = self.num_tokens - int(self.block_base[-1]) * self.seq_len
+        for entry, files, n, blocks in zip(entries, self.entry_files, source_tokens, self.source_sizes):
+            if blocks == 0:
+                raise DataError(
+                    f"{BASIC}.dataset entry {entry!r} ({', '.join(str(p) for p in files)}): {n} tokens, "
+                    f"fewer than one block ({BASIC}.seq_len = {self.seq_len}); add data or lower seq_len"
+                )
         logger.info(
-            "text_pretrain: %d files, %d documents, %d tokens -> %d blocks of %d (last %d tokens dropped)",
+            "text_pretrain: %d files, %d documents, %d tokens -> %d blocks of %d (%d tokens dropped); %s %s",
             len(self.files),
             self.num_documents,
-            self.stream.num_tokens,
-            len(self.stream),
+            self.num_tokens,
+            len(self),
             self.seq_len,
             self.dropped_tokens,
+            "prepared into" if self.built else "mapped from",
+            self.prepared.path,
         )
+
+    @classmethod
+    def prepare(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+        *,
+        workers: int | None = None,
+        overwrite: bool = False,
+    ) -> list[str]:
+        """``mm data prepare``: tokenise the corpus into the cache (a no-op when it is prepared and current)."""
+        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
+        state = "prepared" if ds.built else "already prepared (current)"
+        return [
+            f"{state}: {ds.prepared.path}",
+            f"{len(ds.files)} file(s), {ds.num_documents:,} documents, {ds.num_tokens:,} tokens "
+            f"({ds.store.dtype}) -> {len(ds):,} blocks of {ds.seq_len}",
+        ]
+
+    @classmethod
+    def verify(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """``mm data verify``: every problem with the prepared cache (sources and shards re-hashed)."""
+        basic = dict(basic_param or {})
+        basic["cache_stale"] = "error"
+        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(
@@ -132,9 +264,23 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         ]
 
     def __len__(self) -> int:
-        return len(self.stream)
+        return int(self.block_base[-1])
+
+    def sample_lengths(self) -> np.ndarray:
+        """Tokens per sample (every block has ``seq_len``), for token-budget batching."""
+        return np.full(len(self), self.seq_len, dtype=np.int64)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        item: dict[str, Any] = self.stream.block(index)
-        item["sample_id"] = int(index) % len(self)
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"block {index} out of range for {n} blocks")
+        index %= n
+        source = int(np.searchsorted(self.block_base, index, side="right")) - 1
+        lo = int(self.source_token_base[source]) + (index - int(self.block_base[source])) * self.seq_len
+        hi = lo + self.seq_len
+        ids = torch.from_numpy(self.store.tokens(lo, hi).astype(np.int64))
+        starts = torch.zeros(self.seq_len, dtype=torch.bool)
+        starts[torch.from_numpy(self.store.document_starts(lo, hi) - lo)] = True
+        item: dict[str, Any] = block_fields(ids, starts)
+        item["sample_id"] = index
         return item

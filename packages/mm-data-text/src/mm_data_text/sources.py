@@ -74,8 +74,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, obj
 
 
-def _read_txt(path: Path, txt_document: str) -> list[str]:
-    text = read_utf8(path)
+def _txt_documents(text: str, txt_document: str) -> list[str]:
     if txt_document == "file":
         return [text] if text.strip() else []
     docs: list[str] = []
@@ -89,6 +88,10 @@ def _read_txt(path: Path, txt_document: str) -> list[str]:
     if block:
         docs.append("\n".join(block))
     return docs
+
+
+def _read_txt(path: Path, txt_document: str) -> list[str]:
+    return _txt_documents(read_utf8(path), txt_document)
 
 
 def _jsonl_text(path: Path, lineno: int, obj: dict[str, Any], text_key: str) -> str:

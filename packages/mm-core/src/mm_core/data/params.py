@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,43 @@ def paths(default: Any = _REQUIRED) -> Field:
         return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
 
     return Field("a path or a non-empty list of paths", ok, default)
+
+
+def _is_weight(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def optional_weights(default: Any = None) -> Field:
+    """Mixing weights, one per entry of ``basic_parameters.dataset`` (checked against that count by
+    :func:`check_weights` once the entries are known)."""
+    return Field(
+        "a list of positive numbers or null",
+        lambda v: (
+            v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_weight(x) for x in v))
+        ),
+        default,
+    )
+
+
+def check_weights(weights: Sequence[float] | None, num_sources: int, key: str) -> list[float] | None:
+    """The mixing weights as floats, or None for no mixing.
+
+    Raises ConfigError naming ``key`` unless there is exactly one weight per dataset entry
+    (``num_sources``) and every weight is a finite number greater than 0."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Iterable):
+        raise ConfigError(f"{key}: got {weights!r}; expected a list of positive numbers or null")
+    weights = list(weights)
+    if len(weights) != num_sources:
+        raise ConfigError(
+            f"{key}: got {len(weights)} weights for {num_sources} dataset entries; "
+            "give one weight per entry of basic_parameters.dataset, in the same order"
+        )
+    for i, w in enumerate(weights):
+        if not _is_weight(w):
+            raise ConfigError(f"{key}[{i}]: got {w!r}; expected a finite number greater than 0")
+    return [float(w) for w in weights]
 
 
 def anything(default: Any = None) -> Field:
