@@ -148,7 +148,8 @@ def test_pretrain_preflight_checks_every_file_and_the_tokenizer(tokenizer_dir: P
     write_jsonl(tmp_path / "b.jsonl", [{"body": "wrong key"}])
     basic = {"dataset_dir": str(tmp_path), "dataset": "a.jsonl", "seq_len": 8}
     pre = {"model_name_or_path": str(tokenizer_dir)}
-    (line,) = TextPretrainDataset.preflight(basic, pre)
+    line, cache = TextPretrainDataset.preflight(basic, pre)
+    assert cache.startswith("tokens not prepared yet: the first start (or `mm data prepare`) prepares it")
     assert line.startswith(f"1 file(s), 0.0 MiB ({tmp_path / 'a.jsonl'}); tokenizer {tokenizer_dir} (")
     assert "first document: " in line and "(seq_len 8)" in line, line
     with pytest.raises(DataError, match=r'b\.jsonl:1: missing key "text"'):

@@ -122,6 +122,9 @@ def test_prepared_once_then_only_mapped(tmp_path, tokenizer_dir):
     )
     assert no_eos.built and no_eos.prepared.path != first.prepared.path
     assert verify_cache(again.prepared) == []
+    basic = {"dataset": str(tmp_path / "a.jsonl"), "seq_len": 32, "cache_dir": str(tmp_path / "cache")}
+    status = TextPretrainDataset.preflight(basic, {"model_name_or_path": str(tokenizer_dir)})[1]
+    assert status == f"tokens prepared and current in {first.prepared.path}"
 
 
 def test_stale_sources_and_shards_are_named_rebuilt_or_refused(tmp_path, tokenizer_dir, caplog):

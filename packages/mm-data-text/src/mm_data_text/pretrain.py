@@ -13,6 +13,7 @@ import torch
 from mm_core.data.cache import (
     CacheOptions,
     cache_fields,
+    cache_status,
     open_cache,
     parallel_map,
     tokenizer_fingerprint,
@@ -102,6 +103,28 @@ def _prepare_unit(task: tuple[Unit, dict[str, Any], str, str]) -> dict[str, Any]
     return writer.close()
 
 
+def _cache_request(
+    basic: Mapping[str, Any], pre: Mapping[str, Any], tokenizer: Any, entry_files: list[list[Path]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings the preparation processes need, and the cache spec (what the tokens depend on besides
+    the sources' contents; ``seq_len`` and ``weights`` are applied when reading, so they are not in it)."""
+    settings = {
+        "tokenizer": pre["model_name_or_path"],
+        "add_eos": pre["add_eos"],
+        "text_key": basic["text_key"],
+        "txt_document": basic["txt_document"],
+        "dtype": token_dtype(len(tokenizer)),
+    }
+    if settings["add_eos"]:
+        eos_id(tokenizer)  # a tokenizer without eos is a config error before any work
+    spec = {
+        **{k: v for k, v in settings.items() if k != "tokenizer"},
+        "tokenizer": tokenizer_fingerprint(pre["model_name_or_path"]),
+        "entries": [[str(f.resolve()) for f in files] for files in entry_files],
+    }
+    return settings, spec
+
+
 class TextPretrainDataset(torch.utils.data.Dataset):
     """Packed causal-LM pretraining blocks of ``seq_len`` tokens (see ``mm_data_text.packing`` for the rules).
 
@@ -132,20 +155,7 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         tokenizer = load_tokenizer(pre["model_name_or_path"])
         self.pad_token_id = pad_id(tokenizer)
         options = CacheOptions.read(basic, workers=workers, overwrite=overwrite)
-        settings = {
-            "tokenizer": pre["model_name_or_path"],
-            "add_eos": pre["add_eos"],
-            "text_key": basic["text_key"],
-            "txt_document": basic["txt_document"],
-            "dtype": token_dtype(len(tokenizer)),
-        }
-        if settings["add_eos"]:
-            eos_id(tokenizer)  # a tokenizer without eos is a config error before any work
-        spec = {
-            **{k: v for k, v in settings.items() if k != "tokenizer"},
-            "tokenizer": tokenizer_fingerprint(pre["model_name_or_path"]),
-            "entries": [[str(f.resolve()) for f in files] for files in self.entry_files],
-        }
+        settings, spec = _cache_request(basic, pre, tokenizer, self.entry_files)
 
         def build(folder: Path) -> dict[str, Any]:
             units = [[u for f in files for u in plan_units(f, basic["txt_document"])] for files in self.entry_files]
@@ -258,9 +268,14 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         if first is None:
             raise DataError(f"{', '.join(str(p) for p in files)}: no document in any file")
         tokens = len(encode_documents(tokenizer, [first], eos)[0])
+        entry_files = [resolve_paths(e, basic["dataset_dir"], TEXT_SUFFIXES) for e in _entries(basic["dataset"])]
+        check_weights(basic["weights"], len(entry_files), f"{BASIC}.weights")
+        _, spec = _cache_request(basic, pre, tokenizer, entry_files)
+        root = CacheOptions.read(basic).root
         return [
             f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens); "
-            f"first document: {tokens:,} tokens (seq_len {basic['seq_len']})"
+            f"first document: {tokens:,} tokens (seq_len {basic['seq_len']})",
+            "tokens " + cache_status(root, "text_pretrain", spec, files),
         ]
 
     def __len__(self) -> int:

@@ -242,6 +242,25 @@ def _finish(tmp: Path, sources: Sequence[Path], stamps: list[SourceStamp], paylo
         os.fsync(f.fileno())
 
 
+def cache_path(root: Path, name: str, spec: Mapping[str, Any], sources: Sequence[Path]) -> Path:
+    """The folder :func:`open_cache` uses for ``spec`` over ``sources``."""
+    paths = [str(Path(s).resolve()) for s in sources]
+    key = digest({"format": CACHE_FORMAT, "name": name, "spec": dict(spec), "sources": paths})
+    return root / f"{name}-{key}"
+
+
+def cache_status(root: Path, name: str, spec: Mapping[str, Any], sources: Sequence[Path]) -> str:
+    """One line for ``mm check``: whether the prepared data is current, stale (and why) or not there yet."""
+    path = cache_path(root, name, spec, sources)
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return f"not prepared yet: the first start (or `mm data prepare`) prepares it into {path}"
+    problems = _problems(path, manifest)
+    if problems:
+        return f"prepared in {path} but stale ({problems[0]}{'; ...' if len(problems) > 1 else ''})"
+    return f"prepared and current in {path}"
+
+
 def open_cache(
     *,
     root: Path,
@@ -256,9 +275,8 @@ def open_cache(
     """The prepared folder for ``spec`` over ``sources``, built with ``build(folder) -> payload`` when missing,
     stale or ``overwrite``. Returns it and whether it was built now. See the module docstring for the rules."""
     sources = [Path(s).resolve() for s in sources]
-    key = digest({"format": CACHE_FORMAT, "name": name, "spec": dict(spec), "sources": [str(s) for s in sources]})
-    stem = f"{name}-{key}"
-    final = root / stem
+    final = cache_path(root, name, spec, sources)
+    stem = final.name
 
     def current() -> tuple[dict[str, Any] | None, list[str]]:
         manifest = _read_manifest(final)
