@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from _mm import QUICKSTART, REPO
@@ -94,7 +96,7 @@ def test_data_position_reshards_without_repeats_or_skips(new_dp, new_mbs, worker
     assert len(seen) == len(set(seen)), "a sample was seen twice within the epoch"
     assert len(seen) == 20 + (n - 20) // per_step * per_step  # only the last partial global batch is dropped
     # the global order is one seeded permutation: the resumed run reads on exactly where the first stopped
-    assert set(seen) == set(resumed[0].sampler.global_order()[: len(seen)])
+    assert set(seen) == set(resumed[0].sampler.global_order()[: len(seen)].tolist())
 
 
 def test_data_same_layout_resume_is_identical_and_crosses_epochs():
@@ -117,6 +119,110 @@ def test_loader_does_not_touch_the_global_torch_rng():
     its = _iterators(20, 1, 2)
     _take(its, 12)  # crosses epochs: new iterators each time
     assert torch.equal(torch.rand(3), expected)
+
+
+class MixedIds(Ids):
+    """Three sources (10, 25, 15 samples) mixed 3:1:1, so source 0 is up-sampled and the others down; sample
+    ``i`` has ``1 + i % 7`` tokens."""
+
+    source_sizes = (10, 25, 15)
+    source_weights = (3.0, 1.0, 1.0)
+
+    def __init__(self) -> None:
+        super().__init__(sum(self.source_sizes))
+
+    def sample_lengths(self) -> np.ndarray:
+        return 1 + np.arange(self.n) % 7
+
+
+def _loaders(ds, dp: int, mbs: int = 1, *, workers: int = 0, **dataloader) -> list[EpochIterator]:
+    cfg = DataConfig.model_validate(
+        {
+            "dataset_param": {"dataset_type": "ids"},
+            "dataloader_param": {"num_workers": workers, **dataloader},
+        }
+    )
+    return [
+        EpochIterator(
+            build_dataloader(
+                ds, torch.utils.data.default_collate, cfg, micro_batch_size=mbs, dp_size=dp, dp_rank=r, seed=7
+            )
+        )
+        for r in range(dp)
+    ]
+
+
+def _take_in_order(its: list[EpochIterator], steps: int, mbs: int | None) -> list[int]:
+    """``steps`` global micro-batches, put back in global-order sequence: fixed batches (``mbs``) interleave
+    the ranks (rank r reads every dp-th sample), token-budget batches (``mbs`` None) follow each other."""
+    out: list[int] = []
+    for _ in range(steps):
+        batches = [next(it)["sample_id"].tolist() for it in its]
+        if mbs is None:
+            out += [i for b in batches for i in b]
+        else:
+            out += [b[i] for i in range(mbs) for b in batches]
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("new_dp,new_mbs", [(1, 4), (4, 1)])
+def test_mixed_order_reshards_without_repeats_or_skips(new_dp, new_mbs, workers):
+    ds = MixedIds()
+    straight = _take_in_order(_loaders(ds, 2, 2), 20, 2)  # 80 samples: epoch 0 (48 of 50) and into epoch 1
+    saved = _loaders(ds, 2, 2)
+    head = _take_in_order(saved, 5, 2)
+    state = saved[0].state_dict()
+    resumed = _loaders(ds, new_dp, new_mbs, workers=workers)
+    for it in resumed:
+        it.load_state_dict(state)
+    assert head + _take_in_order(resumed, 15, new_mbs) == straight
+    counts = Counter(straight[:48])  # epoch 0: source 0 (ids 0-9) drawn 3x as often as the others
+    assert sum(counts[i] for i in range(10)) > sum(counts[i] for i in range(10, 50)) // 2
+    assert int(resumed[0].state_dict()["epoch"]) == 1
+
+
+def _budget_epoch(dp: int, *, workers: int = 0, state=None, steps: int | None = None, **dl) -> tuple:
+    """Read ``steps`` global micro-batches (default: to the end of the epoch) of MixedIds with a budget of
+    12 tokens per micro-batch; the samples in global order, the iterators and the micro-batch sizes."""
+    its = _loaders(MixedIds(), dp, workers=workers, max_tokens_per_batch=12, dynamic_batch_buffer=8, **dl)
+    if state is not None:
+        for it in its:
+            it.load_state_dict(state)
+    if steps is None:
+        its[0].sampler.set_position(int(its[0].epoch), its[0].consumed)
+        steps = len(its[0].sampler)
+    return _take_in_order(its, steps, None), its
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("new_dp", [1, 3, 4])
+def test_token_budget_position_reshards_without_repeats_or_skips(new_dp, workers):
+    head, saved = _budget_epoch(2, steps=6)
+    state = saved[0].state_dict()
+    assert all(torch.equal(it.state_dict()["consumed"], state["consumed"]) for it in saved)
+    assert int(state["consumed"]) == len(head)  # the exact position, though micro-batches vary in size
+    tail, resumed = _budget_epoch(new_dp, workers=workers, state=state)
+    seen = head + tail
+    order = resumed[0].sampler.global_order().tolist()
+    assert seen == order[: len(seen)]  # the resumed run reads on exactly where the first stopped
+    assert len(order) - len(seen) < new_dp  # at most one global micro-batch that could not feed every rank
+    assert int(resumed[0].state_dict()["epoch"]) == 0  # the epoch is not over until the next batch is asked
+
+
+def test_token_budget_batches_count_consumed_samples_across_epochs():
+    _, its = _budget_epoch(2, steps=0, drop_last=False)
+    positions, counted = [], 0
+    for _ in range(40):  # about two epochs
+        for it in its:
+            next(it)
+        counted += its[0].take_samples_consumed()
+        positions.append((its[0].epoch, its[0].consumed))
+        assert all(it.consumed == its[0].consumed for it in its)
+    ends = [c for (e, c), (e2, _) in zip(positions, positions[1:]) if e2 != e]
+    assert ends and all(c == 50 for c in ends)  # every epoch consumed whole: padding is not counted
+    assert counted == sum(ends) + positions[-1][1]
+    assert its[0].take_samples_consumed() == 0
 
 
 # ------------------------------------------------------------------------------------------- no pickle

@@ -89,11 +89,19 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
         out(f"  {pat:<32} -> {shown}")
     out("  (root)                           -> the remaining parameters")
     _print_expert_parallel(model, cfg, sizes, out)
-    gbs = tcfg.micro_batch_size * tcfg.grad_accum * sizes.dp
-    out(
-        f"batch       : micro {tcfg.micro_batch_size} x accumulation {tcfg.grad_accum} x dp {sizes.dp} "
-        f"= {gbs} samples per step"
-    )
+    budget = cfg.data.dataloader_param.max_tokens_per_batch
+    if budget is not None:
+        out(
+            f"batch       : token budget {budget:,} per micro-batch (padded) x accumulation {tcfg.grad_accum} "
+            f"x dp {sizes.dp} = at most {budget * tcfg.grad_accum * sizes.dp:,} tokens per step "
+            "(training.micro_batch_size is not used)"
+        )
+    else:
+        gbs = tcfg.micro_batch_size * tcfg.grad_accum * sizes.dp
+        out(
+            f"batch       : micro {tcfg.micro_batch_size} x accumulation {tcfg.grad_accum} x dp {sizes.dp} "
+            f"= {gbs} samples per step"
+        )
     for line in describe_features(feats, cfg):
         out(line)
     out(

@@ -119,6 +119,12 @@ class DataloaderParam(Block):
     num_workers: int = Field(0, ge=0)
     prefetch_factor: int | None = Field(None, ge=1)
     persistent_workers: bool = False
+    # Token-budget (dynamic) batching: each rank's micro-batch takes consecutive samples of the epoch's
+    # global order while `count * longest <= max_tokens_per_batch` (training.micro_batch_size is then
+    # ignored; the dataset must provide sample_lengths()). Samples are sorted by length, stably, within each
+    # consecutive buffer of `dynamic_batch_buffer` samples of that order to cut padding; 1 keeps the order.
+    max_tokens_per_batch: int | None = Field(None, ge=1)
+    dynamic_batch_buffer: int = Field(256, ge=1)
     collate_param: CollateParam = Field(default_factory=CollateParam)
 
 

@@ -1,15 +1,21 @@
-"""Dataset, collator and StatefulDataLoader from the ``data`` block, via the plugin registries."""
+"""Dataset, collator and StatefulDataLoader from the ``data`` block, via the plugin registries.
+
+Which sample each rank reads (the epoch's global order, weighted mixing, token-budget batching) is the job
+of :mod:`mm_core.data.sampling`; :class:`EpochIterator` carries the data position across epochs and
+checkpoints."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
+import numpy as np
+import numpy.typing as npt
 import torch
-from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mm_core.config.schema import DataConfig
+from mm_core.data.sampling import BUDGET_KEY, GlobalOrderSampler, TokenBudgetBatchSampler, source_mixing
 from mm_core.errors import ConfigError
 from mm_core.registry import collator_register, data_register
 
@@ -17,9 +23,23 @@ from mm_core.registry import collator_register, data_register
 Collate = Callable[[list[dict[str, Any]]], dict[str, Any]]
 
 
+#: Either sampler of :func:`build_dataloader`: both read the epoch's global order from a global position.
+EpochSampler = GlobalOrderSampler | TokenBudgetBatchSampler
+
+
 class MapDataset(Protocol):
     """What mm needs of a dataset plugin: map-style, ``len(ds)`` and ``ds[i]`` (checked by
-    :func:`build_dataset`)."""
+    :func:`build_dataset`).
+
+    Optional, read when present (see :mod:`mm_core.data.sampling`):
+
+    - ``source_sizes: Sequence[int]`` and ``source_weights: Sequence[float] | None`` — samples per entry of
+      ``basic_parameters.dataset`` (in index order) and the mixing weights from ``basic_parameters.weights``
+      (None: no mixing). Each epoch then draws every source in proportion to its weight.
+    - ``sample_lengths() -> numpy int array of len(ds)`` — tokens per sample as the collator will see them
+      (text tokens, image/audio placeholder tokens included); required by
+      ``data.dataloader_param.max_tokens_per_batch``.
+    """
 
     def __len__(self) -> int: ...
 
@@ -62,66 +82,60 @@ def build_collator(cfg: DataConfig, dataset: MapDataset) -> Collate:
     return collate
 
 
-class GlobalOrderSampler(Sampler[int]):
-    """This data-parallel rank's share of one epoch, read from a seeded global order from a global position.
+def sample_lengths(dataset: MapDataset, dataset_type: str = "") -> npt.NDArray[np.int64]:
+    """The dataset's ``sample_lengths()`` as int64, checked: one length of at least 1 token per sample.
 
-    The epoch's global order is a permutation of the dataset seeded by ``(seed, epoch)`` (or the identity
-    without shuffling). Starting at global position ``start``, rank ``r`` of ``dp_size`` takes every
-    ``dp_size``-th index from ``r``, so after ``k`` global micro-batches of ``micro_batch_size`` per rank
-    exactly the first ``start + k * micro_batch_size * dp_size`` samples of the order are consumed, whatever
-    ``dp_size`` is. That is what makes the position resharding-safe: a run saved on 2 ranks resumes on 1 or 4
-    with no sample of the epoch seen twice and none skipped. With ``drop_last`` the rest is cut to whole
-    global micro-batches; without it the order is padded by wrapping to a multiple of ``dp_size``."""
+    A dataset without the method is a ConfigError naming ``data.dataloader_param.max_tokens_per_batch``."""
+    name = dataset_type or type(dataset).__name__
+    method = getattr(dataset, "sample_lengths", None)
+    if not callable(method):
+        raise ConfigError(
+            f"{BUDGET_KEY}: dataset {name!r} has no sample_lengths() (tokens per sample), which token-budget "
+            "batching needs; remove the key to batch training.micro_batch_size samples"
+        )
+    lengths = np.asarray(method())
+    if lengths.shape != (len(dataset),) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ConfigError(
+            f"data.dataset_param.dataset_type: {name!r}.sample_lengths() gave {lengths.dtype} values of "
+            f"shape {lengths.shape}; expected one integer per sample ({len(dataset)})"
+        )
+    if len(lengths) and int(lengths.min()) < 1:
+        bad = int(lengths.argmin())
+        raise ConfigError(
+            f"data.dataset_param.dataset_type: {name!r}.sample_lengths() says sample {bad} has "
+            f"{int(lengths[bad])} tokens; every sample needs at least 1"
+        )
+    return lengths.astype(np.int64, copy=False)
 
-    def __init__(
-        self,
-        num_samples: int,
-        *,
-        dp_size: int,
-        dp_rank: int,
-        micro_batch_size: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-    ) -> None:
-        self.num_samples, self.dp_size, self.dp_rank = num_samples, dp_size, dp_rank
-        self.micro_batch_size, self.shuffle = micro_batch_size, shuffle
-        self.seed, self.drop_last = seed, drop_last
-        self.epoch = 0
-        self.start = 0
-        self._order: tuple[int, list[int]] | None = None  # (epoch, order) of the last epoch asked for
 
-    def set_position(self, epoch: int, start: int) -> None:
-        """Read epoch ``epoch`` from global position ``start`` (samples of that epoch already consumed)."""
-        self.epoch, self.start = epoch, start
-
-    def global_order(self) -> list[int]:
-        """Every sample index of the current epoch, in the order all ranks together consume them."""
-        if self._order is None or self._order[0] != self.epoch:
-            if self.shuffle:
-                g = torch.Generator()
-                g.manual_seed(self.seed + self.epoch)
-                order = torch.randperm(self.num_samples, generator=g).tolist()
-            else:
-                order = list(range(self.num_samples))
-            self._order = (self.epoch, order)
-        return self._order[1]
-
-    def _remaining(self) -> list[int]:
-        rest = self.global_order()[self.start :]
-        if self.drop_last:
-            per_step = self.dp_size * self.micro_batch_size
-            return rest[: len(rest) // per_step * per_step]
-        pad = -len(rest) % self.dp_size
-        if rest and pad:
-            rest = rest + [rest[i % len(rest)] for i in range(pad)]
-        return rest
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining()[self.dp_rank :: self.dp_size])
-
-    def __len__(self) -> int:
-        return len(self._remaining()) // self.dp_size
+def _budget_sampler(
+    dataset: MapDataset, cfg: DataConfig, *, dp_size: int, dp_rank: int, seed: int
+) -> TokenBudgetBatchSampler:
+    dl, dataset_type = cfg.dataloader_param, cfg.dataset_param.dataset_type
+    assert dl.max_tokens_per_batch is not None
+    lengths = sample_lengths(dataset, dataset_type)
+    longest = int(lengths.argmax())
+    if lengths[longest] > dl.max_tokens_per_batch:
+        raise ConfigError(
+            f"{BUDGET_KEY}: {dl.max_tokens_per_batch} is smaller than sample {longest}, which has "
+            f"{int(lengths[longest])} tokens; raise it to at least {int(lengths[longest])}"
+        )
+    if dl.drop_last and len(dataset) < dp_size:
+        raise ConfigError(
+            f"data: the dataset has {len(dataset)} samples, fewer than the {dp_size} data-parallel ranks "
+            f"that each need one per micro-batch ({BUDGET_KEY} is set)"
+        )
+    return TokenBudgetBatchSampler(
+        lengths,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        max_tokens=dl.max_tokens_per_batch,
+        buffer=dl.dynamic_batch_buffer,
+        shuffle=dl.shuffle,
+        seed=seed,
+        drop_last=dl.drop_last,
+        mixing=source_mixing(dataset, dataset_type),
+    )
 
 
 def build_dataloader(
@@ -134,41 +148,46 @@ def build_dataloader(
     dp_rank: int,
     seed: int,
 ) -> StatefulDataLoader:
-    """A loader over this rank's share of a seeded global order (see :class:`GlobalOrderSampler`).
+    """A loader over this rank's share of a seeded global order (see :mod:`mm_core.data.sampling`).
 
-    The loader has its own random generator (re-seeded per epoch by :class:`EpochIterator`), so starting an
-    iterator never draws from the global torch RNG that dropout uses."""
+    Batches are ``micro_batch_size`` samples (:class:`GlobalOrderSampler`), or cut by the token budget
+    ``data.dataloader_param.max_tokens_per_batch`` when it is set (:class:`TokenBudgetBatchSampler`;
+    ``micro_batch_size`` is then ignored). The loader has its own random generator (re-seeded per epoch by
+    :class:`EpochIterator`), so starting an iterator never draws from the global torch RNG that dropout
+    uses."""
     dl = cfg.dataloader_param
-    per_step = micro_batch_size * dp_size
-    if dl.drop_last and len(dataset) < per_step:
-        raise ConfigError(
-            f"data: the dataset has {len(dataset)} samples, fewer than one global micro-batch "
-            f"(training.micro_batch_size {micro_batch_size} x {dp_size} data-parallel ranks)"
-        )
-    sampler = GlobalOrderSampler(
-        len(dataset),
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-        micro_batch_size=micro_batch_size,
-        shuffle=dl.shuffle,
-        seed=seed,
-        drop_last=dl.drop_last,
-    )
     kwargs: dict[str, Any] = {}
     if dl.num_workers > 0:
         kwargs["persistent_workers"] = dl.persistent_workers
         if dl.prefetch_factor is not None:
             kwargs["prefetch_factor"] = dl.prefetch_factor
+    if dl.max_tokens_per_batch is not None:
+        kwargs["batch_sampler"] = _budget_sampler(dataset, cfg, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+    else:
+        per_step = micro_batch_size * dp_size
+        if dl.drop_last and len(dataset) < per_step:
+            raise ConfigError(
+                f"data: the dataset has {len(dataset)} samples, fewer than one global micro-batch "
+                f"(training.micro_batch_size {micro_batch_size} x {dp_size} data-parallel ranks)"
+            )
+        kwargs["sampler"] = GlobalOrderSampler(
+            len(dataset),
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            micro_batch_size=micro_batch_size,
+            shuffle=dl.shuffle,
+            seed=seed,
+            drop_last=dl.drop_last,
+            mixing=source_mixing(dataset, cfg.dataset_param.dataset_type),
+        )
+        kwargs.update(batch_size=micro_batch_size, drop_last=dl.drop_last)
     generator = torch.Generator()
     generator.manual_seed(seed)
     return StatefulDataLoader(
         dataset,
-        batch_size=micro_batch_size,
-        sampler=sampler,
         num_workers=dl.num_workers,
         collate_fn=collate_fn,
         pin_memory=dl.pin_memory and torch.accelerator.is_available(),  # cuda or npu; no-op on cpu
-        drop_last=dl.drop_last,
         generator=generator,
         **kwargs,
     )
@@ -184,18 +203,31 @@ class EpochIterator:
 
     def __init__(self, loader: StatefulDataLoader) -> None:
         self.loader = loader
-        self.sampler: GlobalOrderSampler = loader.sampler
-        if not isinstance(self.sampler, GlobalOrderSampler):
-            raise TypeError("EpochIterator needs a loader from build_dataloader (a GlobalOrderSampler)")
+        sampler = loader.batch_sampler
+        if not isinstance(sampler, TokenBudgetBatchSampler):
+            sampler = loader.sampler
+        if not isinstance(sampler, (GlobalOrderSampler, TokenBudgetBatchSampler)):
+            raise TypeError(
+                "EpochIterator needs a loader from build_dataloader (a GlobalOrderSampler or a "
+                "TokenBudgetBatchSampler)"
+            )
+        self.sampler: EpochSampler = sampler
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch consumed by training
         self._it: Iterator[dict[str, Any]] | None = None
-        self._start = 0  # global position this iterator started at
         self._yielded = 0  # micro-batches this iterator has returned
+        self._uncounted = 0  # global samples consumed since the last take_samples_consumed()
 
     def _position(self) -> int:
-        per_batch = self.sampler.micro_batch_size * self.sampler.dp_size
-        return self._start + min(self._yielded * per_batch, len(self.sampler) * self.sampler.dp_size)
+        """The global position after the micro-batches this iterator returned (asked of the sampler: exact
+        for fixed and for token-budget batches)."""
+        return self.sampler.position_after(self._yielded)
+
+    def take_samples_consumed(self) -> int:
+        """Global samples (positions of the epochs' orders, all ranks together) consumed since the last call,
+        across epoch ends; the count restarts at 0. The same on every rank."""
+        taken, self._uncounted = self._uncounted, 0
+        return taken
 
     def __next__(self) -> dict[str, Any]:
         while True:
@@ -203,7 +235,7 @@ class EpochIterator:
                 self.sampler.set_position(self.epoch, self.consumed)
                 if self.loader.generator is not None:
                     self.loader.generator.manual_seed(self.sampler.seed * 1_000_003 + self.epoch)
-                self._start, self._yielded = self.consumed, 0
+                self._yielded = 0
                 self._it = iter(self.loader)
             try:
                 batch = next(self._it)
@@ -213,7 +245,9 @@ class EpochIterator:
                 self.consumed = 0
                 continue
             self._yielded += 1
-            self.consumed = self._position()
+            position = self._position()
+            self._uncounted += position - self.consumed
+            self.consumed = position
             return batch
 
     def __iter__(self) -> EpochIterator:

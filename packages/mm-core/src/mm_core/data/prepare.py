@@ -28,7 +28,7 @@ def _hook(cfg: MMConfig, name: str) -> Callable[..., Any]:
     import_plugins(cfg.training.plugin)
     dp = cfg.data.dataset_param
     factory = data_register.get(dp.dataset_type)
-    hook = getattr(factory, name, None)
+    hook: Callable[..., Any] | None = getattr(factory, name, None)
     if not callable(hook):
         raise ConfigError(
             f"data.dataset_param.dataset_type: {dp.dataset_type!r} has nothing to {name}: it reads its files "

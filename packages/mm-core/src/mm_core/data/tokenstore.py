@@ -108,7 +108,7 @@ class TokenStore:
         key = (shard, kind)
         arr = self._maps.get(key)
         if arr is None:
-            dtype = {"tok": self.dtype, "idx": np.int64, "msk": np.uint8}[kind]
+            dtype = np.dtype({"tok": self.dtype, "idx": "int64", "msk": "uint8"}[kind])
             path = self.directory / f"{self.stems[shard]}.{kind}"
             arr = (
                 np.memmap(path, dtype=dtype, mode="r")

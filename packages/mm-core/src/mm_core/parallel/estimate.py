@@ -60,6 +60,11 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
 
 
 def _tokens_per_micro_batch(cfg: MMConfig) -> int:
+    """The padded tokens of one micro-batch: the token budget when set, else micro_batch_size x the
+    configured length."""
+    budget = cfg.data.dataloader_param.max_tokens_per_batch
+    if budget is not None:
+        return int(budget)
     basic = cfg.data.dataset_param.basic_parameters
     seq = basic.get("seq_len") or basic.get("cutoff_len") or 0
     return cfg.training.micro_batch_size * int(seq)

@@ -408,9 +408,7 @@ class Trainer:
                     dt = time.perf_counter() - t0
                     tools.step_end(step)
                     self.progress.step = step
-                    self.progress.consumed_samples += (
-                        tcfg.micro_batch_size * tcfg.grad_accum * self.state.sizes.dp
-                    )
+                    self.progress.consumed_samples += self.batches.take_samples_consumed()
                     self.progress.consumed_tokens += int(metrics["tokens"])
                     if logged:
                         peak = metrics.pop("peak_mem_gb")
