@@ -7,9 +7,10 @@ JSONL, tokenised with the quickstart tokenizer:
 
 - prepare: ``mm data prepare``'s work (``TextPretrainDataset.prepare``) with ``--workers`` local processes;
 - start-up: on ``--nproc`` local ranks at once (separate processes, as under torchrun), the time to build the
-  dataset from the prepared cache (the median of 5 builds per rank), and each rank's resident memory after building it and reading
-  ``--reads`` random blocks, minus the rank's memory before (``VmRSS`` of /proc/self/status; anonymous and
-  file-backed pages shown apart: mapped shard pages are shared by the ranks through the page cache);
+  dataset from the prepared cache (the median of 5 builds per rank), and each rank's resident memory after
+  building it and reading ``--reads`` random blocks, minus the rank's memory before (``VmRSS`` of
+  /proc/self/status; anonymous and file-backed pages shown apart: mapped shard pages are shared by the ranks
+  through the page cache);
 - before: the same start-up with in-memory tokenisation (what every rank did before preparation existed:
   read every document, tokenise, pack), on the smallest corpus only unless ``--before-all``.
 
@@ -103,14 +104,20 @@ def _rank(corpus: str, cache: str, reads: int, in_memory: bool, start: Any, queu
         from mm_data_text.sources import read_documents
 
         tok = load_tokenizer(str(TOKENIZER))
-        stream = pack_documents(encode_documents(tok, read_documents(Path(corpus)), tok.eos_token_id), 1024, None)
+        stream = pack_documents(
+            encode_documents(tok, read_documents(Path(corpus)), tok.eos_token_id), 1024, None
+        )
         n, get = len(stream), stream.block
         startup = time.perf_counter() - t0
     else:
         times = []
-        for _ in range(5):  # the median of 5 builds (the first maps the cache; the others find it the same way)
+        for _ in range(
+            5
+        ):  # the median of 5 builds (the first maps the cache; the others find it the same way)
             t0 = time.perf_counter()
-            ds = TextPretrainDataset(_basic(Path(corpus), Path(cache)), {"model_name_or_path": str(TOKENIZER)})
+            ds = TextPretrainDataset(
+                _basic(Path(corpus), Path(cache)), {"model_name_or_path": str(TOKENIZER)}
+            )
             times.append(time.perf_counter() - t0)
             assert not ds.built, "the corpus must be prepared before the start-up is measured"
         startup = statistics.median(times)
@@ -166,9 +173,12 @@ def bench_text(args: argparse.Namespace) -> None:
     def mean(rows: list[dict[str, float]], key: str) -> float:
         return statistics.mean(r[key] for r in rows)
 
-    print(f"{args.nproc} ranks, {args.workers} preparation process(es), seq_len 1024, {args.reads} random reads")
+    print(
+        f"{args.nproc} ranks, {args.workers} preparation process(es), seq_len 1024, {args.reads} random reads"
+    )
     print(f"{'corpus':>8} {'docs':>8} {'blocks':>8} {'prepare s':>10} {'shards MB':>10} "
-          f"{'start-up s':>11} {'RSS MiB':>8} {'anon':>6} {'file':>6}   before: start-up s, RSS MiB")  # fmt: skip
+          f"{'start-up s':>11} {'RSS MiB':>8} {'anon':>6} {'file':>6}"
+          "   before: start-up s, RSS MiB")  # fmt: skip
     for mb, docs, prep, tok_mb, rows, before in results:
         old = f"   {mean(before, 'startup_s'):.2f}, {mean(before, 'VmRSS'):.1f}" if before else ""
         print(f"{mb:>6}MB {docs:>8} {int(rows[0]['blocks']):>8} {prep:>10.1f} {tok_mb:>10.1f} "
@@ -210,7 +220,9 @@ def bench_vlm(args: argparse.Namespace) -> None:
         ]
         fixed = _train(cfg, work / "fixed", [*common, f"training.micro_batch_size={args.micro_batch_size}"])
         budget = args.max_tokens or 0
-        dynamic = _train(cfg, work / "dynamic", [*common, f"data.dataloader_param.max_tokens_per_batch={budget}"])
+        dynamic = _train(
+            cfg, work / "dynamic", [*common, f"data.dataloader_param.max_tokens_per_batch={budget}"]
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for name, rows in (("fixed", fixed), ("dynamic", dynamic)):
@@ -223,7 +235,9 @@ def bench_vlm(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     t = sub.add_parser("text")
     t.add_argument("--sizes", default="10,200", help="corpus sizes in MB, smallest first")

@@ -167,7 +167,8 @@ def test_sft_preflight_encodes_the_first_record(tokenizer_dir: Path, tmp_path: P
     write_jsonl(tmp_path / "chat.jsonl", [CHAT, {"messages": "not a list"}])
     basic = {"dataset_dir": str(tmp_path), "dataset": "chat.jsonl"}
     pre = {"model_name_or_path": str(tokenizer_dir)}
-    (line,) = SFTDataset.preflight(basic, pre)
+    line, cache = SFTDataset.preflight(basic, pre)
+    assert cache.startswith("samples not prepared yet"), cache
     full = SFTDataset(basic | {"dataset": str(write_jsonl(tmp_path / "one.jsonl", [CHAT]))}, pre)
     assert f"first record: {len(full[0]['input_ids']):,} tokens (cutoff_len 2048)" in line, line
     write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}])

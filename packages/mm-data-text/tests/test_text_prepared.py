@@ -73,7 +73,9 @@ def test_units_name_the_true_line_of_a_bad_record(tmp_path):
     with pytest.raises(DataError, match=r"bad\.jsonl:432: invalid JSON"):
         for u in units:
             unit_documents(u)
-    path.write_bytes(b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(300)) + b"\xff\n")
+    path.write_bytes(
+        b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(300)) + b"\xff\n"
+    )
     with pytest.raises(DataError, match=r"bad\.jsonl:301: not valid UTF-8"):
         for u in plan_units(path, unit_bytes=1000):
             unit_documents(u)
@@ -84,7 +86,8 @@ def test_blocks_equal_tokenising_in_memory(tmp_path, tokenizer_dir, tokenizer):
     write_all_formats(tmp_path, docs)
     for name in ("a.jsonl", "b.txt"):
         ds = make(tmp_path, tokenizer_dir, dataset=name, seq_len=64)
-        ref = pack_documents(encode_documents(tokenizer, read_documents(tmp_path / name), tokenizer.eos_token_id),
+        eos = tokenizer.eos_token_id
+        ref = pack_documents(encode_documents(tokenizer, read_documents(tmp_path / name), eos),
                              64, None)  # fmt: skip
         assert len(ds) == len(ref) > 10
         for i in range(len(ds)):
@@ -97,9 +100,11 @@ def test_blocks_equal_tokenising_in_memory(tmp_path, tokenizer_dir, tokenizer):
 def test_parallel_preparation_gives_the_same_shards(tmp_path, tokenizer_dir, monkeypatch):
     write_all_formats(tmp_path, corpus())
     monkeypatch.setattr(units_mod, "UNIT_BYTES", 20_000)
-    one = make(tmp_path, tokenizer_dir, dataset=["a.jsonl", "c.parquet"], seq_len=32, cache_dir=str(tmp_path / "c1"))
-    two = make(tmp_path, tokenizer_dir, dataset=["a.jsonl", "c.parquet"], seq_len=32, cache_dir=str(tmp_path / "c2"),
-               workers=2)  # fmt: skip
+    one = make(
+        tmp_path, tokenizer_dir, dataset=["a.jsonl", "c.parquet"], seq_len=32, cache_dir=str(tmp_path / "c1")
+    )
+    two = make(tmp_path, tokenizer_dir, dataset=["a.jsonl", "c.parquet"], seq_len=32,
+               cache_dir=str(tmp_path / "c2"), workers=2)  # fmt: skip
     assert len(one.store.stems) > 4  # several units, so the two processes really split the work
     assert one.store.stems == two.store.stems and one.source_sizes == two.source_sizes
     assert (one.store.tokens(0, one.num_tokens) == two.store.tokens(0, two.num_tokens)).all()
@@ -133,7 +138,9 @@ def test_stale_sources_and_shards_are_named_rebuilt_or_refused(tmp_path, tokeniz
     src = tmp_path / "a.jsonl"
     with open(src, "a", encoding="utf-8") as f:
         f.write(json.dumps({"text": "one more document at the end"}) + "\n")
-    with pytest.raises(DataError, match=r"a\.jsonl: size changed from [\d,]+ to [\d,]+ bytes.*mm data prepare"):
+    with pytest.raises(
+        DataError, match=r"a\.jsonl: size changed from [\d,]+ to [\d,]+ bytes.*mm data prepare"
+    ):
         make(tmp_path, tokenizer_dir, dataset="a.jsonl", seq_len=32, cache_stale="error")
     with caplog.at_level(logging.WARNING):
         rebuilt = make(tmp_path, tokenizer_dir, dataset="a.jsonl", seq_len=32)

@@ -92,7 +92,8 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     budget = cfg.data.dataloader_param.max_tokens_per_batch
     if budget is not None:
         out(
-            f"batch       : token budget {budget:,} per micro-batch (padded) x accumulation {tcfg.grad_accum} "
+            f"batch       : token budget {budget:,} per micro-batch (padded) "
+            f"x accumulation {tcfg.grad_accum} "
             f"x dp {sizes.dp} = at most {budget * tcfg.grad_accum * sizes.dp:,} tokens per step "
             "(training.micro_batch_size is not used)"
         )

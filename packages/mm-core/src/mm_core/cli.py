@@ -1,4 +1,6 @@
-"""The ``mm`` command: train, check, data, plugins, convert. User errors print one line and exit with status 2."""
+"""The ``mm`` command: train, check, data, plugins, convert.
+
+User errors print one line and exit with status 2."""
 
 from __future__ import annotations
 

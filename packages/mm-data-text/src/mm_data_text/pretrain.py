@@ -36,8 +36,8 @@ from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import DataError
 
 from .packing import block_fields
-from .sources import TEXT_SUFFIXES, describe_files, first_document, resolve_paths
-from .tokenizer import eos_id, load_tokenizer, pad_id
+from .sources import TEXT_SUFFIXES, dataset_entries, describe_files, first_document, resolve_paths
+from .tokenizer import cached_tokenizer, eos_id, load_tokenizer, pad_id
 from .units import Unit, plan_units, unit_documents
 
 logger = logging.getLogger(__name__)
@@ -75,24 +75,10 @@ def encode_documents(tokenizer: Any, docs: Sequence[str], eos: int | None) -> li
     return out
 
 
-def _entries(spec: str | list[str]) -> list[str]:
-    return [spec] if isinstance(spec, str) else list(spec)
-
-
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def _tokenizer(path: str) -> Any:
-    """The tokenizer at ``path``, loaded once per process."""
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
-
-
 def _prepare_unit(task: tuple[Unit, dict[str, Any], str, str]) -> dict[str, Any]:
     """Tokenise one unit into one token shard (runs in a preparation process)."""
     unit, settings, out_dir, stem = task
-    tokenizer = _tokenizer(settings["tokenizer"])
+    tokenizer = cached_tokenizer(settings["tokenizer"], settings["fingerprint"])
     eos = eos_id(tokenizer) if settings["add_eos"] else None
     docs = unit_documents(unit, settings["text_key"], settings["txt_document"])
     writer = ShardWriter(Path(out_dir), stem, settings["dtype"])
@@ -104,12 +90,17 @@ def _prepare_unit(task: tuple[Unit, dict[str, Any], str, str]) -> dict[str, Any]
 
 
 def _cache_request(
-    basic: Mapping[str, Any], pre: Mapping[str, Any], tokenizer: Any, entry_files: list[list[Path]]
+    basic: Mapping[str, Any],
+    pre: Mapping[str, Any],
+    tokenizer: Any,
+    fingerprint: str,
+    entry_files: list[list[Path]],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The settings the preparation processes need, and the cache spec (what the tokens depend on besides
     the sources' contents; ``seq_len`` and ``weights`` are applied when reading, so they are not in it)."""
     settings = {
         "tokenizer": pre["model_name_or_path"],
+        "fingerprint": fingerprint,
         "add_eos": pre["add_eos"],
         "text_key": basic["text_key"],
         "txt_document": basic["txt_document"],
@@ -118,8 +109,8 @@ def _cache_request(
     if settings["add_eos"]:
         eos_id(tokenizer)  # a tokenizer without eos is a config error before any work
     spec = {
-        **{k: v for k, v in settings.items() if k != "tokenizer"},
-        "tokenizer": tokenizer_fingerprint(pre["model_name_or_path"]),
+        **{k: v for k, v in settings.items() if k not in ("tokenizer", "fingerprint")},
+        "tokenizer": fingerprint,
         "entries": [[str(f.resolve()) for f in files] for files in entry_files],
     }
     return settings, spec
@@ -148,17 +139,22 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
         self.seed = seed
         self.seq_len: int = basic["seq_len"]
-        entries = _entries(basic["dataset"])
+        entries = dataset_entries(basic["dataset"])
         self.source_weights = check_weights(basic["weights"], len(entries), f"{BASIC}.weights")
         self.entry_files = [resolve_paths(e, basic["dataset_dir"], TEXT_SUFFIXES) for e in entries]
         self.files = [f for files in self.entry_files for f in files]
-        tokenizer = load_tokenizer(pre["model_name_or_path"])
+        fingerprint = tokenizer_fingerprint(pre["model_name_or_path"])
+        tokenizer = cached_tokenizer(
+            pre["model_name_or_path"], fingerprint
+        )  # reused by in-process preparation
         self.pad_token_id = pad_id(tokenizer)
         options = CacheOptions.read(basic, workers=workers, overwrite=overwrite)
-        settings, spec = _cache_request(basic, pre, tokenizer, self.entry_files)
+        settings, spec = _cache_request(basic, pre, tokenizer, fingerprint, self.entry_files)
 
         def build(folder: Path) -> dict[str, Any]:
-            units = [[u for f in files for u in plan_units(f, basic["txt_document"])] for files in self.entry_files]
+            units = [
+                [u for f in files for u in plan_units(f, basic["txt_document"])] for files in self.entry_files
+            ]
             tasks = [
                 (u, settings, str(folder), f"s{s:03d}-{i:05d}")
                 for s, source_units in enumerate(units)
@@ -225,7 +221,7 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         workers: int | None = None,
         overwrite: bool = False,
     ) -> list[str]:
-        """``mm data prepare``: tokenise the corpus into the cache (a no-op when it is prepared and current)."""
+        """``mm data prepare``: tokenise the corpus into the cache (nothing to do when it is current)."""
         ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
         state = "prepared" if ds.built else "already prepared (current)"
         return [
@@ -268,9 +264,13 @@ class TextPretrainDataset(torch.utils.data.Dataset):
         if first is None:
             raise DataError(f"{', '.join(str(p) for p in files)}: no document in any file")
         tokens = len(encode_documents(tokenizer, [first], eos)[0])
-        entry_files = [resolve_paths(e, basic["dataset_dir"], TEXT_SUFFIXES) for e in _entries(basic["dataset"])]
+        entry_files = [
+            resolve_paths(e, basic["dataset_dir"], TEXT_SUFFIXES) for e in dataset_entries(basic["dataset"])
+        ]
         check_weights(basic["weights"], len(entry_files), f"{BASIC}.weights")
-        _, spec = _cache_request(basic, pre, tokenizer, entry_files)
+        _, spec = _cache_request(
+            basic, pre, tokenizer, tokenizer_fingerprint(pre["model_name_or_path"]), entry_files
+        )
         root = CacheOptions.read(basic).root
         return [
             f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens); "

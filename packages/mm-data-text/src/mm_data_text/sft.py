@@ -1,21 +1,56 @@
-"""``sft``: chat conversations (``messages`` jsonl) rendered with the tokenizer's chat template."""
+"""``sft``: chat conversations (``messages`` jsonl) rendered with the tokenizer's chat template.
+
+Prepared once, like ``text_pretrain``: the jsonl files are cut into work units (``mm_data_text.units``) that
+local processes tokenise in parallel into token shards with a per-token mask (1 = labelled: the assistant
+replies), kept in a cache folder (``mm_core.data.cache``); every later start, on every rank, only maps them.
+A conversation longer than the budget of ``mm_data_text.chat`` is cut before it is tokenised.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from mm_core.data.params import BASIC, PREPROCESS, optional_string, paths, positive_int, read_params, string
+from mm_core.data.cache import (
+    CacheOptions,
+    cache_fields,
+    cache_status,
+    open_cache,
+    parallel_map,
+    tokenizer_fingerprint,
+    verify_cache,
+)
+from mm_core.data.params import (
+    BASIC,
+    PREPROCESS,
+    check_weights,
+    optional_string,
+    optional_weights,
+    paths,
+    positive_int,
+    read_params,
+    string,
+)
+from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import ConfigError, DataError
 
-from .chat import ChatEncodeError, encode_conversation, uses_generation_markers
+from .chat import (
+    MARGIN,
+    ChatEncodeError,
+    encode_within,
+    max_token_bytes,
+    uses_generation_markers,
+)
 from .packing import IGNORE_INDEX
-from .sources import describe_files, iter_jsonl, resolve_paths
-from .tokenizer import load_tokenizer, pad_id
+from .sources import dataset_entries, describe_files, iter_jsonl, resolve_paths
+from .tokenizer import cached_tokenizer, load_tokenizer, pad_id
+from .units import Unit, plan_units, unit_records
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +59,17 @@ BASIC_FIELDS = {
     "dataset": paths(),
     "cutoff_len": positive_int(2048),
     "messages_key": string("messages"),
+    "weights": optional_weights(),
+    **cache_fields(),
 }
 PREPROCESS_FIELDS = {
     "model_name_or_path": string(),
 }
 ROLES = ("system", "user", "assistant")
+#: bumped whenever what preparation writes for the same inputs changes (encoding, truncation, layout)
+PREPARE_VERSION = 1
+#: skipped records named in the manifest (the count covers all of them)
+SKIPPED_NAMED = 10
 
 
 def check_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -50,11 +91,86 @@ def check_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
     return out
 
 
+def record_messages(obj: Mapping[str, Any], where: str, key: str) -> list[dict[str, str]]:
+    """The checked conversation under ``key`` of one jsonl record."""
+    if key not in obj:
+        raise DataError(f'{where}: missing key "{key}" (keys present: {", ".join(obj) or "none"})')
+    return check_messages(obj[key], where, key)
+
+
+def _chat_template(tokenizer: Any, name: str) -> str:
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        raise ConfigError(
+            f"{PREPROCESS}.model_name_or_path: the tokenizer at {name!r} "
+            "has no (single) chat_template; add one to its tokenizer_config.json"
+        )
+    return template
+
+
+def _prepare_unit(task: tuple[Unit, dict[str, Any], str, str]) -> dict[str, Any]:
+    """Tokenise the conversations of one unit into one masked token shard (runs in a preparation process)."""
+    unit, settings, out_dir, stem = task
+    tokenizer = cached_tokenizer(settings["tokenizer"], settings["fingerprint"])
+    writer = ShardWriter(Path(out_dir), stem, settings["dtype"], with_mask=True)
+    skipped = 0
+    named: list[str] = []  # the first SKIPPED_NAMED skipped records
+    for lineno, obj in unit_records(unit):
+        where = f"{unit.path}:{lineno}"
+        messages = record_messages(obj, where, settings["messages_key"])
+        try:
+            ids, labels, _ = encode_within(
+                tokenizer, messages, settings["with_markers"], settings["cutoff_len"], settings["token_bytes"]
+            )
+        except ChatEncodeError as e:
+            raise DataError(f"{where}: {e}") from None
+        mask = [int(label != IGNORE_INDEX) for label in labels]
+        if not any(mask):
+            skipped += 1
+            if len(named) < SKIPPED_NAMED:
+                named.append(where)
+            continue
+        writer.add(ids, mask)
+    return {"shard": writer.close(), "skipped": skipped, "skipped_at": named}
+
+
+def _cache_request(
+    basic: Mapping[str, Any],
+    pre: Mapping[str, Any],
+    tokenizer: Any,
+    template: str,
+    fingerprint: str,
+    entry_files: list[list[Path]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings the preparation processes need (``token_bytes`` is added when building), and the cache
+    spec: what the samples depend on besides the sources' contents (``weights`` applies when reading)."""
+    settings = {
+        "tokenizer": pre["model_name_or_path"],
+        "fingerprint": fingerprint,
+        "cutoff_len": basic["cutoff_len"],
+        "messages_key": basic["messages_key"],
+        "with_markers": uses_generation_markers(template),
+        "dtype": token_dtype(len(tokenizer)),
+    }
+    spec = {
+        **{k: v for k, v in settings.items() if k not in ("tokenizer", "fingerprint")},
+        "version": PREPARE_VERSION,
+        "margin": MARGIN,
+        "labels": "generation_markers" if settings["with_markers"] else "template_spans",
+        "chat_template": hashlib.sha256(template.encode("utf-8")).hexdigest()[:20],
+        "tokenizer": fingerprint,
+        "entries": [[str(f.resolve()) for f in files] for files in entry_files],
+    }
+    return settings, spec
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Supervised fine-tuning samples: labels only on assistant replies and their end-of-turn token.
 
     Each sample is truncated to ``cutoff_len`` tokens (the tail is cut). A sample left without any
-    labelled token after truncation is skipped; ``num_skipped`` counts them and a warning reports them.
+    labelled token after truncation is skipped; ``num_skipped`` counts them, ``skipped`` names the first
+    ones (``file:line``) and a warning reports them when the data is prepared. Each entry of
+    ``basic_parameters.dataset`` is one source (its files in order); ``weights`` mixes the sources.
     """
 
     def __init__(
@@ -64,69 +180,124 @@ class SFTDataset(torch.utils.data.Dataset):
         dataset_param: Any = None,
         *,
         seed: int = 0,
+        workers: int | None = None,
+        overwrite: bool = False,
     ) -> None:
         basic = read_params(basic_param, BASIC_FIELDS, BASIC)
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
         self.seed = seed
         self.cutoff_len: int = basic["cutoff_len"]
-        self.files = resolve_paths(basic["dataset"], basic["dataset_dir"], (".jsonl",))
-        tokenizer = load_tokenizer(pre["model_name_or_path"])
-        template = tokenizer.chat_template
-        if not isinstance(template, str) or not template:
-            raise ConfigError(
-                f"{PREPROCESS}.model_name_or_path: the tokenizer at {pre['model_name_or_path']!r} "
-                "has no (single) chat_template; add one to its tokenizer_config.json"
-            )
-        with_markers = uses_generation_markers(template)
+        entries = dataset_entries(basic["dataset"])
+        self.source_weights = check_weights(basic["weights"], len(entries), f"{BASIC}.weights")
+        self.entry_files = [resolve_paths(e, basic["dataset_dir"], (".jsonl",)) for e in entries]
+        self.files = [f for files in self.entry_files for f in files]
+        fingerprint = tokenizer_fingerprint(pre["model_name_or_path"])
+        tokenizer = cached_tokenizer(
+            pre["model_name_or_path"], fingerprint
+        )  # reused by in-process preparation
+        template = _chat_template(tokenizer, pre["model_name_or_path"])
         self.pad_token_id = pad_id(tokenizer)
+        options = CacheOptions.read(basic, workers=workers, overwrite=overwrite)
+        settings, spec = _cache_request(basic, pre, tokenizer, template, fingerprint, self.entry_files)
 
-        ids_parts: list[torch.Tensor] = []
-        label_parts: list[torch.Tensor] = []
-        self.skipped: list[str] = []
-        for path in self.files:
-            self._read_file(path, basic["messages_key"], tokenizer, with_markers, ids_parts, label_parts)
-        self.num_skipped = len(self.skipped)
-        if not ids_parts:
-            raise DataError(
-                f"{', '.join(str(p) for p in self.files)}: no sample keeps an assistant token "
-                f"within {BASIC}.cutoff_len = {self.cutoff_len}"
+        def build(folder: Path) -> dict[str, Any]:
+            token_bytes = max_token_bytes(tokenizer)
+            units = [[u for f in files for u in plan_units(f)] for files in self.entry_files]
+            tasks = [
+                (u, {**settings, "token_bytes": token_bytes}, str(folder), f"s{s:03d}-{i:05d}")
+                for s, source_units in enumerate(units)
+                for i, u in enumerate(source_units)
+            ]
+            logger.info(
+                "sft: preparing %s in %d unit(s) with %d process(es) into %s",
+                describe_files(self.files),
+                len(tasks),
+                min(options.workers, len(tasks)),
+                folder.parent,
             )
-        lengths = torch.tensor([len(t) for t in ids_parts], dtype=torch.int64)
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        self.input_ids = torch.cat(ids_parts)
-        self.labels = torch.cat(label_parts)
-        if self.skipped:
-            logger.warning(
+            done = parallel_map(_prepare_unit, tasks, options.workers)
+            counts = [len(u) for u in units]
+            bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+            skipped_at = [where for d in done for where in d["skipped_at"]][:SKIPPED_NAMED]
+            return {
+                "dtype": settings["dtype"],
+                "token_bytes": token_bytes,
+                "sources": [[d["shard"] for d in done[a:b]] for a, b in zip(bounds, bounds[1:])],
+                "skipped": sum(int(d["skipped"]) for d in done),
+                "skipped_at": skipped_at,
+            }
+
+        self.prepared, self.built = open_cache(
+            root=options.root,
+            name="sft",
+            spec=spec,
+            sources=self.files,
+            build=build,
+            on_stale=options.on_stale,
+            overwrite=options.overwrite,
+            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
+        )
+        payload = self.prepared.payload
+        shards = [shard for source in payload["sources"] for shard in source]
+        self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=True)
+        self.source_sizes = [sum(int(sh["documents"]) for sh in source) for source in payload["sources"]]
+        self.num_tokens = self.store.num_tokens
+        self.num_skipped: int = payload["skipped"]
+        self.skipped: list[str] = list(payload["skipped_at"])
+        if self.num_skipped:
+            logger.log(
+                logging.WARNING if self.built else logging.INFO,  # warned once: when prepared
                 "sft: skipped %d samples with no assistant token within cutoff_len=%d (first: %s)",
                 self.num_skipped,
                 self.cutoff_len,
                 ", ".join(self.skipped[:5]),
             )
+        if len(self) == 0:
+            raise DataError(
+                f"{', '.join(str(p) for p in self.files)}: no sample keeps an assistant token "
+                f"within {BASIC}.cutoff_len = {self.cutoff_len}"
+            )
+        logger.info(
+            "sft: %d files, %d samples (%d skipped), %d tokens; %s %s",
+            len(self.files),
+            len(self),
+            self.num_skipped,
+            self.num_tokens,
+            "prepared into" if self.built else "mapped from",
+            self.prepared.path,
+        )
 
-    def _read_file(
-        self,
-        path: Path,
-        key: str,
-        tokenizer: Any,
-        with_markers: bool,
-        ids_parts: list[torch.Tensor],
-        label_parts: list[torch.Tensor],
-    ) -> None:
-        for lineno, obj in iter_jsonl(path):
-            where = f"{path}:{lineno}"
-            if key not in obj:
-                raise DataError(f'{where}: missing key "{key}" (keys present: {", ".join(obj) or "none"})')
-            messages = check_messages(obj[key], where, key)
-            try:
-                ids, labels = encode_conversation(tokenizer, messages, with_markers)
-            except ChatEncodeError as e:
-                raise DataError(f"{where}: {e}") from None
-            ids, labels = ids[: self.cutoff_len], labels[: self.cutoff_len]
-            if all(label == IGNORE_INDEX for label in labels):
-                self.skipped.append(where)
-                continue
-            ids_parts.append(torch.tensor(ids, dtype=torch.int32))
-            label_parts.append(torch.tensor(labels, dtype=torch.int32))
+    @classmethod
+    def prepare(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+        *,
+        workers: int | None = None,
+        overwrite: bool = False,
+    ) -> list[str]:
+        """``mm data prepare``: tokenise the conversations into the cache (a no-op when it is current)."""
+        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
+        state = "prepared" if ds.built else "already prepared (current)"
+        skipped = f", {ds.num_skipped:,} skipped (first: {ds.skipped[0]})" if ds.num_skipped else ""
+        return [
+            f"{state}: {ds.prepared.path}",
+            f"{len(ds.files)} file(s) -> {len(ds):,} samples{skipped}, {ds.num_tokens:,} tokens "
+            f"({ds.store.dtype}, cutoff_len {ds.cutoff_len})",
+        ]
+
+    @classmethod
+    def verify(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """``mm data verify``: every problem with the prepared cache (sources and shards re-hashed)."""
+        basic = dict(basic_param or {})
+        basic["cache_stale"] = "error"
+        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(
@@ -137,52 +308,61 @@ class SFTDataset(torch.utils.data.Dataset):
     ) -> list[str]:
         """What ``mm check`` verifies without encoding every conversation: the keys, that every file exists,
         the tokenizer and its chat template (local files only), and the first record of every file (checked;
-        the first one encoded). Raises ConfigError/DataError as building the dataset would."""
+        the first one encoded, cut as preparation cuts it). Raises ConfigError/DataError as building the
+        dataset would."""
         basic = read_params(basic_param, BASIC_FIELDS, BASIC)
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
-        files = resolve_paths(basic["dataset"], basic["dataset_dir"], (".jsonl",))
+        entries = dataset_entries(basic["dataset"])
+        check_weights(basic["weights"], len(entries), f"{BASIC}.weights")
+        entry_files = [resolve_paths(e, basic["dataset_dir"], (".jsonl",)) for e in entries]
+        files = [f for group in entry_files for f in group]
         tokenizer = load_tokenizer(pre["model_name_or_path"])
-        template = tokenizer.chat_template
-        if not isinstance(template, str) or not template:
-            raise ConfigError(
-                f"{PREPROCESS}.model_name_or_path: the tokenizer at {pre['model_name_or_path']!r} "
-                "has no (single) chat_template; add one to its tokenizer_config.json"
-            )
-        key = basic["messages_key"]
+        template = _chat_template(tokenizer, pre["model_name_or_path"])
+        key, cutoff_len = basic["messages_key"], basic["cutoff_len"]
         first: tuple[str, list[dict[str, str]]] | None = None
         for path in files:
             for lineno, obj in iter_jsonl(path):
                 where = f"{path}:{lineno}"
-                if key not in obj:
-                    raise DataError(
-                        f'{where}: missing key "{key}" (keys present: {", ".join(obj) or "none"})'
-                    )
-                messages = check_messages(obj[key], where, key)
+                messages = record_messages(obj, where, key)
                 first = (where, messages) if first is None else first
                 break
         if first is None:
             raise DataError(f"{', '.join(str(p) for p in files)}: no record in any file")
+        fingerprint = tokenizer_fingerprint(pre["model_name_or_path"])
+        _, spec = _cache_request(basic, pre, tokenizer, template, fingerprint, entry_files)
+        token_bytes = max_token_bytes(tokenizer)
         try:
-            ids, _ = encode_conversation(tokenizer, first[1], uses_generation_markers(template))
+            ids, _, cut = encode_within(
+                tokenizer, first[1], uses_generation_markers(template), cutoff_len, token_bytes
+            )
         except ChatEncodeError as e:
             raise DataError(f"{first[0]}: {e}") from None
+        tokens = f"more than {cutoff_len + MARGIN:,}" if cut else f"{len(ids):,}"
         return [
             f"{describe_files(files)}; tokenizer {pre['model_name_or_path']} ({len(tokenizer):,} tokens, "
-            f"chat template); first record: {len(ids):,} tokens (cutoff_len {basic['cutoff_len']})"
+            f"chat template); first record: {tokens} tokens (cutoff_len {cutoff_len})",
+            "samples " + cache_status(CacheOptions.read(basic).root, "sft", spec, files),
         ]
 
     def __len__(self) -> int:
-        return int(self.offsets.numel()) - 1
+        return self.store.num_documents
+
+    def sample_lengths(self) -> np.ndarray:
+        """Tokens per sample, for token-budget batching."""
+        return self.store.document_lengths()
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample {index} out of range for {n} samples")
         index %= n
-        lo, hi = int(self.offsets[index]), int(self.offsets[index + 1])
+        ids, mask = self.store.document(index)
+        assert mask is not None  # the store has a mask
+        input_ids = torch.from_numpy(ids.astype(np.int64))
+        labels = torch.where(torch.from_numpy(mask.astype(np.bool_)), input_ids, IGNORE_INDEX)
         return {
-            "input_ids": self.input_ids[lo:hi].long(),
-            "labels": self.labels[lo:hi].long(),
-            "position_ids": torch.arange(hi - lo),
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": torch.arange(len(input_ids)),
             "sample_id": index,
         }

@@ -60,6 +60,11 @@ def resolve_paths(
     return files
 
 
+def dataset_entries(spec: str | list[str]) -> list[str]:
+    """The entries of ``basic_parameters.dataset`` (each one a source for mixing)."""
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, object)`` for each non-blank line; DataError names ``file:line``."""
     for lineno, line in utf8_lines(path):

@@ -37,6 +37,18 @@ def load_tokenizer(name_or_path: str, key: str = f"{PREPROCESS}.model_name_or_pa
         ) from None
 
 
+_LOADED: dict[tuple[str, str], Any] = {}
+
+
+def cached_tokenizer(path: str, fingerprint: str) -> Any:
+    """The tokenizer at ``path``, loaded once per process and version of its files (``fingerprint``, from
+    :func:`mm_core.data.cache.tokenizer_fingerprint`): preparation processes tokenise many units with it."""
+    key = (path, fingerprint)
+    if key not in _LOADED:
+        _LOADED[key] = load_tokenizer(path)
+    return _LOADED[key]
+
+
 def eos_id(tokenizer: Any, key: str = f"{PREPROCESS}.model_name_or_path") -> int:
     """The tokenizer's end-of-sequence token id; a ConfigError when it has none."""
     token_id = tokenizer.eos_token_id

@@ -272,8 +272,8 @@ def open_cache(
     overwrite: bool = False,
     stale_hint: str = "",
 ) -> tuple[Prepared, bool]:
-    """The prepared folder for ``spec`` over ``sources``, built with ``build(folder) -> payload`` when missing,
-    stale or ``overwrite``. Returns it and whether it was built now. See the module docstring for the rules."""
+    """The prepared folder for ``spec`` over ``sources``, built with ``build(folder) -> payload`` when
+    missing, stale or ``overwrite``. Returns it and whether it was built now (rules: the module docstring)."""
     sources = [Path(s).resolve() for s in sources]
     final = cache_path(root, name, spec, sources)
     stem = final.name
@@ -369,7 +369,9 @@ class CacheOptions:
     on_stale: OnStale = "rebuild"
 
     @classmethod
-    def read(cls, basic: Mapping[str, Any], *, workers: int | None = None, overwrite: bool = False) -> CacheOptions:
+    def read(
+        cls, basic: Mapping[str, Any], *, workers: int | None = None, overwrite: bool = False
+    ) -> CacheOptions:
         return cls(
             root=cache_root(basic["cache_dir"]),
             workers=workers or basic["preprocessing_num_workers"] or default_workers(),

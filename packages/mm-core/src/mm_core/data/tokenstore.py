@@ -4,8 +4,8 @@ A shard ``<stem>`` is two or three files written by :class:`ShardWriter`:
 
 - ``<stem>.tok``: the token ids of every document, back to back, little-endian ``uint16`` when the vocabulary
   fits (at most 65,536 ids) else ``uint32``;
-- ``<stem>.idx``: ``int64`` document offsets into ``.tok``, ``documents + 1`` entries (0 first, the token count
-  last), so document ``i`` is ``tok[idx[i]:idx[i + 1]]``;
+- ``<stem>.idx``: ``int64`` document offsets into ``.tok``, ``documents + 1`` entries (0 first, the token
+  count last), so document ``i`` is ``tok[idx[i]:idx[i + 1]]``;
 - ``<stem>.msk`` (optional): one ``uint8`` per token, 1 where the token is trained on (SFT labels), else 0.
 
 :class:`TokenStore` reads a list of shards as one stream of documents without loading it: the arrays are
@@ -38,8 +38,9 @@ class ShardWriter:
 
     def __init__(self, directory: Path, stem: str, dtype: str, *, with_mask: bool = False) -> None:
         self.stem, self.dtype = stem, dtype
-        self._tok = open(directory / f"{stem}.tok", "wb")
-        self._msk = open(directory / f"{stem}.msk", "wb") if with_mask else None
+        # open for the writer's lifetime: documents are appended across many add() calls until close()
+        self._tok = open(directory / f"{stem}.tok", "wb")  # noqa: SIM115
+        self._msk = open(directory / f"{stem}.msk", "wb") if with_mask else None  # noqa: SIM115
         self._idx_path = directory / f"{stem}.idx"
         self._ids = array("I")
         self._mask = array("B")
@@ -81,7 +82,9 @@ class TokenStore:
 
     ``shards`` are :meth:`ShardWriter.close` descriptions, in stream order."""
 
-    def __init__(self, directory: Path, shards: Sequence[dict[str, Any]], dtype: str, *, with_mask: bool) -> None:
+    def __init__(
+        self, directory: Path, shards: Sequence[dict[str, Any]], dtype: str, *, with_mask: bool
+    ) -> None:
         self.directory, self.dtype, self.with_mask = Path(directory), dtype, with_mask
         self.stems = [str(s["stem"]) for s in shards]
         tokens = np.array([int(s["tokens"]) for s in shards], dtype=np.int64)
