@@ -1,7 +1,10 @@
 """Build the digits example's assets from scikit-learn's bundled handwritten digits (no network).
 
 Writes, under ``--out`` (default: ``examples/qwen3vl_digits/build``):
-- ``data/images/<i>.png``: each 8×8 digit upscaled to 56×56 RGB;
+- ``data/images/<i>.png``: each 8×8 digit upscaled to 56×56 RGB; with ``--mixed-sizes``, to 28, 56, 84 or
+  112 pixels square (by turns: image ``i`` gets ``MIXED_SIZES[i % 4]``), so that under the variant's pixel
+  settings (README: ``image_min_pixels: 784``, ``image_max_pixels: 12544``) images make 1, 4, 9 or 16 vision
+  tokens and samples differ in length (for token-budget batching);
 - ``data/train.json`` / ``data/test.json``: LLaMA-Factory style records
   ``{"messages": [{"role": "user", "content": "<image>Which digit is this?"},
   {"role": "assistant", "content": "7"}], "images": ["images/12.png"]}`` (a seeded 80/20 split);
@@ -21,9 +24,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 QUESTION = "<image>Which digit is this?"
+SIZE = 56
+#: image sides with --mixed-sizes: multiples of 28 (patch 14 x merge 2), so each is its own grid when
+#: image_min_pixels <= 28 * 28 and image_max_pixels >= 112 * 112
+MIXED_SIZES = (28, 56, 84, 112)
 
 
-def build(out: Path, seed: int = 0, test_fraction: float = 0.2) -> Path:
+def build(out: Path, seed: int = 0, test_fraction: float = 0.2, mixed_sizes: bool = False) -> Path:
     import numpy as np
     from mm_data_vlm.processor_build import build_qwen_vl_processor
     from PIL import Image
@@ -36,7 +43,8 @@ def build(out: Path, seed: int = 0, test_fraction: float = 0.2) -> Path:
     records = []
     for i, (pixels, target) in enumerate(zip(digits.images, digits.target)):
         gray = (pixels / 16.0 * 255.0).clip(0, 255).astype(np.uint8)
-        Image.fromarray(gray, mode="L").resize((56, 56), Image.NEAREST).convert("RGB").save(
+        side = MIXED_SIZES[i % len(MIXED_SIZES)] if mixed_sizes else SIZE
+        Image.fromarray(gray, mode="L").resize((side, side), Image.NEAREST).convert("RGB").save(
             images_dir / f"{i}.png"
         )
         records.append(
@@ -106,8 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "build")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mixed-sizes",
+        action="store_true",
+        help=f"write images at {', '.join(map(str, MIXED_SIZES))} pixels square by turns instead of all at "
+        f"{SIZE} (see the README for the pixel settings that make them different lengths)",
+    )
     args = parser.parse_args()
-    out = build(args.out, args.seed)
+    out = build(args.out, args.seed, mixed_sizes=args.mixed_sizes)
     print(f"wrote {out}/data (train.json, test.json, images/), {out}/processor, {out}/model/config.json")
 
 

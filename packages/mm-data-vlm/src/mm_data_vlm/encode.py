@@ -5,6 +5,10 @@ where N is the number of merged patches the image processor produced for that im
 (``grid_thw.prod() // merge²``,
 the same rule as transformers' ``Qwen3VLProcessor``). The conversation is then rendered with the tokenizer's
 chat template, and only assistant turns carry labels (the reply and its end-of-turn token).
+
+N can also be had without pixels (:meth:`VisionProcessor.image_tokens`): from the size the processor will
+receive, by the image processor's own ``get_number_of_image_patches`` (the resize rule it applies).
+Preparation counts every sample's tokens that way, through the same :meth:`VisionProcessor.encode_counts`.
 """
 
 from __future__ import annotations
@@ -75,6 +79,12 @@ class VisionProcessor:
             )
         if not isinstance(tokenizer.chat_template, str) or not tokenizer.chat_template:
             raise ConfigError(f"{key}.model_name_or_path: the tokenizer at {path!r} has no chat_template")
+        if not callable(getattr(image_processor, "get_number_of_image_patches", None)):
+            raise ConfigError(
+                f"{key}.model_name_or_path: the image processor at {path!r} "
+                f"({type(image_processor).__name__}) has no get_number_of_image_patches, which vlm_sft needs "
+                "to count an image's tokens from its size when it prepares the data"
+            )
         return cls(tokenizer, image_processor, int(ids[2]), int(getattr(image_processor, "merge_size", 1)))
 
     def images(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
@@ -93,12 +103,31 @@ class VisionProcessor:
         except Exception as e:  # noqa: BLE001 - jinja2 errors and raise_exception() in templates
             raise EncodeError(f"chat template failed: {e}") from None
 
+    def image_tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens of an image that reaches the processor at ``width`` × ``height``, by the
+        processor's own resize rule (``get_number_of_image_patches``: Qwen-VL's ``smart_resize`` under the
+        configured min/max pixels), without any pixel: what :meth:`images` gives for it, divided by merge²."""
+        try:
+            patches = int(self.image_processor.get_number_of_image_patches(height, width))
+        except ValueError as e:  # e.g. an aspect ratio over 200, which Qwen-VL's resize refuses
+            raise EncodeError(f"the image processor refused the image: {e}") from None
+        return patches // self.merge_size**2
+
+    def grid_tokens(self, grid_thw: torch.Tensor | None) -> list[int]:
+        """Placeholder tokens of each image of ``image_grid_thw`` (merged patches: ``t·h·w // merge²``)."""
+        return [] if grid_thw is None else [int(g.prod()) // self.merge_size**2 for g in grid_thw]
+
     def encode(
         self, messages: Sequence[dict[str, str]], grid_thw: torch.Tensor | None
     ) -> tuple[list[int], list[int]]:
         """Token ids and labels (-100 outside assistant turns) for a conversation whose images have the
         given grids (in placeholder order)."""
-        counts = [] if grid_thw is None else [int(g.prod()) // self.merge_size**2 for g in grid_thw]
+        return self.encode_counts(messages, self.grid_tokens(grid_thw))
+
+    def encode_counts(
+        self, messages: Sequence[dict[str, str]], counts: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """:meth:`encode` for images of ``counts`` placeholder tokens each (in placeholder order)."""
         found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
         if found != len(counts):
             raise EncodeError(
@@ -118,7 +147,11 @@ class VisionProcessor:
             if m["role"] != "assistant":
                 continue
             prefix = self._render(expanded[:i], add_generation_prompt=True)
-            upto = self._render(expanded[: i + 1], add_generation_prompt=False)
+            upto = (
+                full
+                if i + 1 == len(expanded)
+                else self._render(expanded[: i + 1], add_generation_prompt=False)
+            )
             if not (upto.startswith(prefix) and full.startswith(upto)):
                 raise EncodeError(
                     f"the chat template does not render turn {i} as a continuation of the turns before it, "

@@ -12,15 +12,20 @@ seconds to decode at full size, only for the image processor to shrink it to abo
    image keeps at least twice the target's width and height, so the processor's own resize still decides
    the final size and the result matches a full decode up to resampling detail.
 
+:func:`loaded_size` gives the size :func:`load_image` would return from the header alone (same limit, same
+draft scale, no pixel decoded): preparation uses it to count an image's tokens without decoding it.
+
 Every failure is an ``OSError`` naming the file; the dataset turns it into a ``DataError`` naming the record
 (which ``data.dataset_param.on_error: skip`` counts and skips).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +55,10 @@ class ImageTooLarge(OSError):
 _DECODE_ERRORS = (OSError, ValueError, EOFError, SyntaxError, struct.error, zlib.error)
 
 
-def load_image(
-    path: Path, *, max_source_pixels: int | None = DEFAULT_MAX_SOURCE_PIXELS, target_pixels: int | None = None
-) -> Any:
-    """Open ``path`` as an RGB ``PIL.Image``, refusing more than ``max_source_pixels`` (None: no limit of
-    mm's own) before decoding, and decoding at a reduced size when ``target_pixels`` (the processor's
-    largest output, in pixels) is much smaller than the source. Raises ``OSError`` naming the file."""
+@contextlib.contextmanager
+def _opened(path: Path, max_source_pixels: int | None) -> Iterator[Any]:
+    """``path`` opened (header read, no pixel decoded) and checked against ``max_source_pixels``; Pillow's
+    failures inside the block become an ``OSError`` naming the file."""
     from PIL import Image
 
     try:
@@ -68,19 +71,7 @@ def load_image(
                     f"{LIMIT_KEY} = {max_source_pixels:,}; refused before decoding. Shrink the image, or "
                     "raise the limit if it is a genuine image"
                 )
-            factor = reduce_factor(pixels, target_pixels)
-            if factor > 1 and im.format == "JPEG":
-                # the decoder picks the largest of 1/1, 1/2, 1/4, 1/8 that is still at least this size
-                im.draft("RGB", (-(-width // factor), -(-height // factor)))
-                factor = reduce_factor(im.size[0] * im.size[1], target_pixels)
-            im.load()
-            if factor > 1:
-                # RGB and L reduce directly; other modes (P, RGBA, CMYK, ...) become RGB first, as always
-                out = (im if im.mode in ("RGB", "L") else im.convert("RGB")).reduce(factor)
-            else:
-                out = im
-            # always a new image: the opened one is released when the with-block closes it
-            return out.convert("RGB")
+            yield im
     except ImageTooLarge:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -90,3 +81,45 @@ def load_image(
         ) from None
     except _DECODE_ERRORS as e:
         raise OSError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
+
+
+def _draft(im: Any, target_pixels: int | None) -> int:
+    """Set up a JPEG's reduced-scale decoding (``draft``: no pixel is decoded yet); returns the factor left
+    for ``reduce`` after decoding (1: none)."""
+    factor = reduce_factor(im.size[0] * im.size[1], target_pixels)
+    if factor > 1 and im.format == "JPEG":
+        # the decoder picks the largest of 1/1, 1/2, 1/4, 1/8 that is still at least this size
+        width, height = im.size
+        im.draft("RGB", (-(-width // factor), -(-height // factor)))
+        factor = reduce_factor(im.size[0] * im.size[1], target_pixels)
+    return factor
+
+
+def load_image(
+    path: Path, *, max_source_pixels: int | None = DEFAULT_MAX_SOURCE_PIXELS, target_pixels: int | None = None
+) -> Any:
+    """Open ``path`` as an RGB ``PIL.Image``, refusing more than ``max_source_pixels`` (None: no limit of
+    mm's own) before decoding, and decoding at a reduced size when ``target_pixels`` (the processor's
+    largest output, in pixels) is much smaller than the source. Raises ``OSError`` naming the file."""
+    with _opened(path, max_source_pixels) as im:
+        factor = _draft(im, target_pixels)
+        im.load()
+        if factor > 1:
+            # RGB and L reduce directly; other modes (P, RGBA, CMYK, ...) become RGB first, as always
+            out = (im if im.mode in ("RGB", "L") else im.convert("RGB")).reduce(factor)
+        else:
+            out = im
+        # always a new image: the opened one is released when the with-block closes it
+        return out.convert("RGB")
+
+
+def loaded_size(
+    path: Path, *, max_source_pixels: int | None = DEFAULT_MAX_SOURCE_PIXELS, target_pixels: int | None = None
+) -> tuple[int, int]:
+    """The ``(width, height)`` of the image :func:`load_image` returns for the same arguments, from the file
+    header alone (no pixel decoded): the header's size, after the JPEG decoder's draft scale and ``reduce``
+    (which rounds up). Refuses and raises exactly as :func:`load_image` does before decoding."""
+    with _opened(path, max_source_pixels) as im:
+        factor = _draft(im, target_pixels)
+        width, height = im.size
+        return -(-width // factor), -(-height // factor)

@@ -1,4 +1,8 @@
-"""Reading LLaMA-Factory / ShareGPT style records: conversations with ``<image>`` placeholders and images."""
+"""Reading LLaMA-Factory / ShareGPT style records: conversations with ``<image>`` placeholders and images.
+
+A problem with one record's structure is a :class:`RecordError` saying what is wrong; whoever knows where the
+record is (``file:line``, ``file[index]``) turns it into a ``DataError`` naming it (:func:`conversation` and
+:func:`image_paths` do so for a given ``where``). A problem with a whole file is a ``DataError`` naming it."""
 
 from __future__ import annotations
 
@@ -37,6 +41,21 @@ def resolve_files(dataset: str | list[str], dataset_dir: str | None, key: str) -
     return files
 
 
+class RecordError(ValueError):
+    """A record's structure is invalid; the message says what, the caller adds where (``file:line``)."""
+
+
+def parse_record(text: str) -> dict[str, Any]:
+    """One record from its JSON text (a JSON object)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecordError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise RecordError("a record must be a JSON object")
+    return obj
+
+
 def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each record; ``where`` is ``file:line`` (jsonl) or ``file[index]`` (json)."""
     if path.suffix == ".jsonl":
@@ -45,26 +64,50 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: a record must be a JSON object")
+                obj = parse_record(line)
+            except RecordError as e:
+                raise DataError(f"{where}: {e}") from None
             yield where, obj
         return
+    for i, obj in enumerate(read_json_list(path)):
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}[{i}]: a record must be a JSON object")
+        yield f"{path}[{i}]", obj
+
+
+def read_json_list(path: Path) -> list[Any]:
+    """The list a ``.json`` dataset file holds (items unchecked); else a DataError naming the file."""
     try:
         data = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json dataset must hold a list of records")
-    for i, obj in enumerate(data):
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}[{i}]: a record must be a JSON object")
-        yield f"{path}[{i}]", obj
+    return data
+
+
+def read_record(record: dict[str, Any], dataset_dir: str | None) -> tuple[list[dict[str, str]], list[Path]]:
+    """The record's turns and image paths (see :func:`record_turns` and :func:`record_images`)."""
+    return record_turns(record), record_images(record, dataset_dir)
 
 
 def conversation(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """:func:`record_turns`, a problem being a DataError naming ``where``."""
+    try:
+        return record_turns(record)
+    except RecordError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def image_paths(record: dict[str, Any], where: str, dataset_dir: str | None) -> list[Path]:
+    """:func:`record_images`, a problem being a DataError naming ``where``."""
+    try:
+        return record_images(record, dataset_dir)
+    except RecordError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def record_turns(record: dict[str, Any]) -> list[dict[str, str]]:
     """The record's turns as ``{"role", "content"}``: ``messages`` (role/content) or ``conversations``
     (ShareGPT from/value with human/gpt/system)."""
     if "messages" in record:
@@ -72,37 +115,34 @@ def conversation(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     elif "conversations" in record:
         turns, role_key, text_key = record["conversations"], "from", "value"
     else:
-        raise DataError(
-            f'{where}: no "messages" or "conversations" key (keys: {", ".join(record) or "none"})'
-        )
+        raise RecordError(f'no "messages" or "conversations" key (keys: {", ".join(record) or "none"})')
     if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: the conversation must be a non-empty list of turns")
+        raise RecordError("the conversation must be a non-empty list of turns")
     out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise DataError(f"{where}: turn {i} must be an object")
+            raise RecordError(f"turn {i} must be an object")
         # str(): an unhashable "from" value (a list, ...) is reported below as an unknown role, not a crash
         role = _SHAREGPT_ROLES.get(str(turn.get(role_key))) if role_key == "from" else turn.get(role_key)
         if role not in _ROLES:
-            raise DataError(
-                f"{where}: turn {i} has {role_key}={turn.get(role_key)!r}; expected a user, "
-                "assistant or system turn"
+            raise RecordError(
+                f"turn {i} has {role_key}={turn.get(role_key)!r}; expected a user, assistant or system turn"
             )
         text = turn.get(text_key)
         if not isinstance(text, str):
-            raise DataError(f"{where}: turn {i}.{text_key} must be a string")
+            raise RecordError(f"turn {i}.{text_key} must be a string")
         out.append({"role": role, "content": text})
     if not any(t["role"] == "assistant" for t in out):
-        raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
+        raise RecordError("the conversation has no assistant turn, so nothing would be trained")
     return out
 
 
-def image_paths(record: dict[str, Any], where: str, dataset_dir: str | None) -> list[Path]:
+def record_images(record: dict[str, Any], dataset_dir: str | None) -> list[Path]:
     """The record's ``images`` (a list, or one string) resolved against ``dataset_dir``."""
     images = record.get("images", record.get("image", []))
     if isinstance(images, str):
         images = [images]
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
-        raise DataError(f'{where}: "images" must be a list of image paths')
+        raise RecordError('"images" must be a list of image paths')
     base = Path(dataset_dir) if dataset_dir else Path(".")
     return [Path(p) if Path(p).is_absolute() else base / p for p in images]

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import transformers
 
+from mm_core.data.cache import CacheOptions, cache_fields, open_cache, tokenizer_fingerprint, verify_cache
 from mm_core.data.params import (
     BASIC,
     PREPROCESS,
+    check_weights,
     optional_positive_int,
     optional_string,
+    optional_weights,
     paths,
     positive_int,
     read_params,
@@ -21,9 +26,20 @@ from mm_core.data.params import (
 )
 from mm_core.errors import DataError
 
+from . import __version__
 from .encode import EncodeError, VisionProcessor
 from .images import DEFAULT_MAX_SOURCE_PIXELS, load_image
-from .records import conversation, image_paths, iter_records, resolve_files
+from .index import (
+    INDEX_FORMAT,
+    INVALID,
+    MISSING_IMAGE,
+    OK,
+    IndexSettings,
+    RecordIndex,
+    build_index,
+    missing_image,
+)
+from .records import RecordError, iter_records, parse_record, read_record, resolve_files
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +47,8 @@ BASIC_FIELDS = {
     "dataset_dir": optional_string(None),
     "dataset": paths(),
     "cutoff_len": positive_int(2048),
+    "weights": optional_weights(),
+    **cache_fields(),
 }
 PREPROCESS_FIELDS = {
     "model_name_or_path": string(),
@@ -39,15 +57,28 @@ PREPROCESS_FIELDS = {
     # an image with more pixels (read from its header) is refused before decoding; null: no limit of mm's own
     "image_max_source_pixels": optional_positive_int(DEFAULT_MAX_SOURCE_PIXELS),
 }
+PREPARE_AGAIN = f"prepare again (`mm data prepare CONFIG --overwrite`, or {BASIC}.overwrite_cache: true)"
 
 
 class VLMSFTDataset(torch.utils.data.Dataset):
-    """Image–text SFT samples for Qwen-VL models; images are read and processed when a sample is fetched.
+    """Image–text SFT samples for Qwen-VL models, from a record index prepared once (``mm_data_vlm.index``).
 
-    A record whose image is missing or corrupt (or whose conversation cannot be encoded within
-    ``cutoff_len``) is an error naming the file and the record, or with ``data.dataset_param.on_error: skip``
-    it is replaced by the next good record and counted in the sample's ``skipped_samples`` (the trainer
-    logs the running total as ``skipped_samples`` in metrics.jsonl).
+    Construction maps the index (every rank of a node shares one preparation, done under a lock the first
+    time); a sample is read, parsed and encoded when it is fetched, its images decoded then (in DataLoader
+    workers). The index also gives every sample's token count (``sample_lengths()``, for token-budget
+    batching), counted at preparation without decoding images and checked against the encoded sample.
+
+    A record that cannot be used is an error naming the file and the record, or with
+    ``data.dataset_param.on_error: skip`` it is replaced by the next good record and counted in the sample's
+    ``skipped_samples`` (the trainer logs the running total as ``skipped_samples`` in metrics.jsonl):
+
+    - invalid structure (not JSON, no conversation, ...) or a missing image: raised when the dataset is built
+      (``on_error: raise``), else skipped;
+    - an image refused from its header (unreadable, over ``image_max_source_pixels``), a conversation that
+      does not encode, or more than ``cutoff_len`` tokens (decided from the prepared count, so no image is
+      decoded for it): raised or skipped when the sample is fetched;
+    - an image that fails to decode, or a sample whose tokens differ from the prepared count (an image
+      changed since preparation): likewise, when the sample is fetched.
     """
 
     def __init__(
@@ -57,11 +88,65 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         dataset_param: Any = None,
         *,
         seed: int = 0,
+        workers: int | None = None,
+        overwrite: bool = False,
     ) -> None:
-        self._configure(basic_param, preprocess_param, dataset_param, seed)
-        for path in self.files:
-            for where, obj in iter_records(path):
-                self.records.append(self._record(where, obj))
+        basic, pre = self._configure(basic_param, preprocess_param, dataset_param, seed)
+        self.source_weights = check_weights(basic["weights"], len(self.files), f"{BASIC}.weights")
+        options = CacheOptions.read(basic, workers=workers, overwrite=overwrite)
+        settings = IndexSettings(
+            processor=pre["model_name_or_path"],
+            min_pixels=pre["image_min_pixels"],
+            max_pixels=pre["image_max_pixels"],
+            max_source_pixels=self.max_source_pixels,
+            dataset_dir=self.dataset_dir,
+        )
+        spec = {
+            "index_format": INDEX_FORMAT,
+            "mm_data_vlm": __version__,
+            "transformers": transformers.__version__,  # its resize rule and chat-template rendering
+            "processor": tokenizer_fingerprint(pre["model_name_or_path"]),
+            "image_min_pixels": settings.min_pixels,
+            "image_max_pixels": settings.max_pixels,
+            "image_max_source_pixels": settings.max_source_pixels,
+            "dataset_dir": str(Path(self.dataset_dir or ".").resolve()),
+        }
+
+        def build(folder: Path) -> dict[str, Any]:
+            logger.info(
+                "vlm_sft: indexing %d file(s) with up to %d process(es) into %s",
+                len(self.files),
+                options.workers,
+                folder.parent,
+            )
+            return build_index(folder, self.files, settings, options.workers, self.processor)
+
+        self.prepared, self.built = open_cache(
+            root=options.root,
+            name="vlm_sft",
+            spec=spec,
+            sources=self.files,
+            build=build,
+            on_stale=options.on_stale,
+            overwrite=options.overwrite,
+            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
+        )
+        self.index = RecordIndex(self.prepared.path, self.prepared.payload, self.files)
+        self.source_sizes = self.index.source_sizes
+        status = self.index.column("status")
+        if self.on_error == "raise":
+            fatal = np.flatnonzero((status == INVALID) | (status == MISSING_IMAGE))
+            if len(fatal):
+                raise DataError(self._problem(int(fatal[0])))
+        counts = self.prepared.payload["status"]
+        logger.info(
+            "vlm_sft: %d records in %d file(s) (%s); %s %s",
+            len(self),
+            len(self.files),
+            ", ".join(f"{n:,} {name}" for name, n in counts.items()) or "none",
+            "indexed into" if self.built else "mapped from",
+            self.prepared.path,
+        )
 
     def _configure(
         self,
@@ -69,8 +154,8 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         preprocess_param: Mapping[str, Any] | None,
         dataset_param: Any,
         seed: int,
-    ) -> None:
-        """Everything but the records: parameters, dataset files and the processor (local files only)."""
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Everything but the index: parameters, dataset files and the processor (local files only)."""
         basic = read_params(basic_param, BASIC_FIELDS, BASIC)
         pre = read_params(preprocess_param, PREPROCESS_FIELDS, PREPROCESS)
         self.seed = seed
@@ -85,19 +170,45 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
         self.image_token_id = self.processor.image_token_id
         self.files = resolve_files(basic["dataset"], basic["dataset_dir"], f"{BASIC}.dataset")
-        self.records: list[tuple[str, list[dict[str, str]], list[Path]]] = []
         self.skipped: list[str] = []
+        return basic, pre
 
-    def _record(self, where: str, obj: dict[str, Any]) -> tuple[str, list[dict[str, str]], list[Path]]:
-        images = image_paths(obj, where, self.dataset_dir)
-        if self.on_error == "raise":
-            for image in images:
-                if not image.is_file():
-                    raise DataError(
-                        f"{where}: image {image} does not exist (paths are relative to "
-                        f"{BASIC}.dataset_dir; data.dataset_param.on_error: skip skips such records)"
-                    )
-        return where, conversation(obj, where), images
+    @classmethod
+    def prepare(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+        *,
+        workers: int | None = None,
+        overwrite: bool = False,
+    ) -> list[str]:
+        """``mm data prepare``: index the records and count their tokens (a no-op when current)."""
+        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
+        state = "prepared" if ds.built else "already prepared (current)"
+        statuses = ", ".join(f"{n:,} {name}" for name, n in ds.prepared.payload["status"].items())
+        lengths = ds.index.column("tokens")[ds._usable()]
+        tokens = (
+            f"{int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}" if len(lengths) else "no tokens"
+        )
+        return [
+            f"{state}: {ds.prepared.path}",
+            f"{len(ds.files)} file(s), {len(ds):,} records ({statuses or 'none'}); {len(lengths):,} usable "
+            f"within cutoff_len {ds.cutoff_len}: {tokens}",
+        ]
+
+    @classmethod
+    def verify(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """``mm data verify``: every problem with the prepared index (sources and index files re-hashed).
+        Images are not part of it: they are checked against the prepared lengths as training reads them."""
+        basic = dict(basic_param or {})
+        basic["cache_stale"] = "error"
+        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(
@@ -112,22 +223,31 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         the dataset and reading that sample would (with ``on_error: skip`` a bad first sample is reported)."""
         self = cls.__new__(cls)
         self._configure(basic_param, preprocess_param, dataset_param, 0)
+        first: tuple[str, list[dict[str, str]], list[Path]] | None = None
         for path in self.files:
             for where, obj in iter_records(path):
-                self.records.append(self._record(where, obj))
+                try:
+                    messages, images = read_record(obj, self.dataset_dir)
+                except RecordError as e:
+                    raise DataError(f"{where}: {e}") from None
+                if self.on_error == "raise":
+                    for image in images:
+                        if not image.is_file():
+                            raise DataError(f"{where}: {missing_image(image)}")
+                first = first or (where, messages, images)
                 break
-        if not self.records:
+        if first is None:
             raise DataError(f"{', '.join(str(p) for p in self.files)}: no record in any file")
         try:
-            sample = self.encode(0)
-            first = (
+            sample = self._sample(*first, prepared=None)
+            line = (
                 f"first record: {len(sample['input_ids']):,} tokens, "
                 f"{len(sample.get('image_grid_thw', ())):,} image(s) (cutoff_len {self.cutoff_len})"
             )
         except DataError as e:
             if self.on_error != "skip":
                 raise
-            first = f"first record would be skipped (on_error: skip): {e}"
+            line = f"first record would be skipped (on_error: skip): {e}"
         size = sum(p.stat().st_size for p in self.files)
         more = ", ..." if len(self.files) > 1 else ""
         limit = f"{self.max_source_pixels:,}" if self.max_source_pixels else "no limit"
@@ -135,15 +255,51 @@ class VLMSFTDataset(torch.utils.data.Dataset):
             f"{len(self.files)} file(s), {size / 2**20:.1f} MiB ({self.files[0]}{more}); processor "
             f"{self.processor.tokenizer.name_or_path} (images resized to at most "
             f"{self.processor.target_pixels or '?'} pixels, sources over {limit} refused)",
-            first,
+            line,
         ]
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.index)
 
-    def encode(self, index: int) -> dict[str, Any]:
-        """The sample for record ``index``; raises DataError naming the record when it cannot be built."""
-        where, messages, images = self.records[index]
+    def _usable(self) -> np.ndarray:
+        """Per record: prepared fine and within ``cutoff_len`` (bool)."""
+        return (self.index.column("status") == OK) & (self.index.column("tokens") <= self.cutoff_len)
+
+    def sample_lengths(self) -> np.ndarray:
+        """Tokens of each sample as the collator sees it (text and image placeholder tokens), from the
+        index: no image is read. A record that cannot be used counts as the record that replaces it under
+        ``on_error: skip`` (the next usable one)."""
+        usable = self._usable()
+        good = np.flatnonzero(usable)
+        if len(usable) and not len(good):
+            files = ", ".join(str(p) for p in self.files)
+            raise DataError(f"vlm_sft: no usable record in {files}; first: {self._problem(0)}")
+        n = len(usable)
+        # the next usable record at or after each index, wrapping around to the first one
+        nxt = np.where(usable, np.arange(n), n)
+        nxt = np.minimum.accumulate(nxt[::-1])[::-1]
+        nxt[nxt == n] = good[0] if len(good) else 0
+        return self.index.column("tokens")[nxt].astype(np.int64)
+
+    def _problem(self, index: int) -> str:
+        """Why record ``index`` cannot be used, naming it (``file:line``)."""
+        where = self.index.where(index)
+        tokens = int(self.index.column("tokens")[index])
+        if self.index.column("status")[index] == OK and tokens > self.cutoff_len:
+            return self._too_long(where, tokens)
+        return f"{where}: {self.index.problem(index)}"
+
+    def _too_long(self, where: str, tokens: int) -> str:
+        return (
+            f"{where}: {tokens} tokens (with image tokens) exceed {BASIC}.cutoff_len = {self.cutoff_len}; "
+            f"raise cutoff_len or lower {PREPROCESS}.image_max_pixels"
+        )
+
+    def _sample(
+        self, where: str, messages: Sequence[dict[str, str]], images: Sequence[Path], prepared: int | None
+    ) -> dict[str, Any]:
+        """Decode the images and encode the conversation; the tokens must be ``prepared`` when given, else
+        within ``cutoff_len``. Raises DataError naming ``where``."""
         try:
             target = self.processor.target_pixels
             loaded = [
@@ -153,21 +309,43 @@ class VLMSFTDataset(torch.utils.data.Dataset):
             ids, labels = self.processor.encode(messages, pixels.get("image_grid_thw"))
         except (OSError, EncodeError) as e:
             raise DataError(f"{where}: {e}") from None
-        if len(ids) > self.cutoff_len:
+        if prepared is not None and len(ids) != prepared:
+            grids = pixels["image_grid_thw"].tolist() if images else []
             raise DataError(
-                f"{where}: {len(ids)} tokens (with image tokens) exceed {BASIC}.cutoff_len = "
-                f"{self.cutoff_len}; "
-                f"raise cutoff_len or lower {PREPROCESS}.image_max_pixels"
+                f"{where}: {len(ids)} tokens now but {prepared} when it was prepared (into "
+                f"{self.prepared.path}): an image changed since preparation (its images "
+                f"{', '.join(str(p) for p in images) or 'none'} now give grids {grids}; images are read at "
+                f"training time and only checked against the prepared length); {PREPARE_AGAIN}"
             )
+        if prepared is None and len(ids) > self.cutoff_len:
+            raise DataError(self._too_long(where, len(ids)))
         input_ids = torch.tensor(ids, dtype=torch.long)
         sample: dict[str, Any] = {
             "input_ids": input_ids,
             "labels": torch.tensor(labels, dtype=torch.long),
             "mm_token_type_ids": (input_ids == self.image_token_id).long(),
-            "sample_id": index,
         }
         sample.update(pixels)
         return sample
+
+    def encode(self, index: int) -> dict[str, Any]:
+        """The sample for record ``index``; raises DataError naming the record when it cannot be built. A
+        record refused at preparation (or over ``cutoff_len``) is refused here without opening its images."""
+        if not self._usable_one(index):
+            raise DataError(self._problem(index))
+        where = self.index.where(index)
+        try:
+            messages, images = read_record(parse_record(self.index.text(index)), self.dataset_dir)
+        except RecordError as e:  # the file changed under a running job
+            raise DataError(f"{where}: {e} (the file changed since preparation?)") from None
+        sample = self._sample(where, messages, images, prepared=int(self.index.column("tokens")[index]))
+        sample["sample_id"] = index
+        return sample
+
+    def _usable_one(self, index: int) -> bool:
+        return bool(
+            self.index.column("status")[index] == OK and self.index.column("tokens")[index] <= self.cutoff_len
+        )
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self)
