@@ -17,11 +17,13 @@ JSONL, tokenised with the quickstart tokenizer:
 The goal (issue 13): start-up and RSS ratio of the largest to the smallest corpus at most 1.5.
 
 ``vlm`` — the digits VLM data with mixed image sizes (``examples/qwen3vl_digits/build_data.py
---mixed-sizes``), a tiny Qwen3-VL trained for ``--steps`` steps on one process, fixed micro-batches vs
-``data.dataloader_param.max_tokens_per_batch``: padding tokens per step, real tokens per second.
+--mixed-sizes``, needs scikit-learn), the tiny Qwen3-VL of the example trained for ``--steps`` steps on one
+process, fixed micro-batches of ``--micro-batch-size`` vs ``data.dataloader_param.max_tokens_per_batch``
+(default: the padded size of a fixed micro-batch of the longest samples): the share of padding among the
+tokens the loader hands out, and real (non-padding) tokens per second of training.
 
     python tools/bench/data.py text [--sizes 10,200] [--nproc 2] [--workers 2]
-    python tools/bench/data.py vlm [--steps 30]
+    python tools/bench/data.py vlm [--steps 40] [--micro-batch-size 16]
 """
 
 from __future__ import annotations
@@ -111,9 +113,7 @@ def _rank(corpus: str, cache: str, reads: int, in_memory: bool, start: Any, queu
         startup = time.perf_counter() - t0
     else:
         times = []
-        for _ in range(
-            5
-        ):  # the median of 5 builds (the first maps the cache; the others find it the same way)
+        for _ in range(5):  # the median of 5 builds: each one finds and maps the prepared cache
             t0 = time.perf_counter()
             ds = TextPretrainDataset(
                 _basic(Path(corpus), Path(cache)), {"model_name_or_path": str(TOKENIZER)}
@@ -122,11 +122,19 @@ def _rank(corpus: str, cache: str, reads: int, in_memory: bool, start: Any, queu
             assert not ds.built, "the corpus must be prepared before the start-up is measured"
         startup = statistics.median(times)
         n, get = len(ds), ds.__getitem__
+    built = _rss()
     rng = np.random.default_rng(0)
     for i in rng.integers(0, n, reads):
         get(int(i))
     after = _rss()
-    queue.put({"startup_s": startup, "blocks": n, **{k: after[k] - base[k] for k in after}})
+    queue.put(
+        {
+            "startup_s": startup,
+            "blocks": n,
+            "built_MiB": built["VmRSS"] - base["VmRSS"],
+            **{k: after[k] - base[k] for k in after},
+        }
+    )
 
 
 def _ranks(corpus: Path, cache: Path, nproc: int, reads: int, in_memory: bool) -> list[dict[str, float]]:
@@ -173,21 +181,25 @@ def bench_text(args: argparse.Namespace) -> None:
     def mean(rows: list[dict[str, float]], key: str) -> float:
         return statistics.mean(r[key] for r in rows)
 
-    print(
-        f"{args.nproc} ranks, {args.workers} preparation process(es), seq_len 1024, {args.reads} random reads"
-    )
-    print(f"{'corpus':>8} {'docs':>8} {'blocks':>8} {'prepare s':>10} {'shards MB':>10} "
-          f"{'start-up s':>11} {'RSS MiB':>8} {'anon':>6} {'file':>6}"
-          "   before: start-up s, RSS MiB")  # fmt: skip
+    print(f"{args.nproc} ranks, {args.workers} preparation processes, seq_len 1024, {args.reads} reads")
+    print("RSS = growth of the rank's resident memory: after building the dataset, and after the reads")
+    print("split into private (anonymous) and file-backed pages (mapped shard pages, shared by the ranks)")
+    head = ["corpus", "docs", "blocks", "prepare s", "shards MB", "start-up s", "RSS built", "anon read",
+            "file read", "| before: start-up s", "RSS"]  # fmt: skip
+    print("  ".join(f"{h:>10}" for h in head))
     for mb, docs, prep, tok_mb, rows, before in results:
-        old = f"   {mean(before, 'startup_s'):.2f}, {mean(before, 'VmRSS'):.1f}" if before else ""
-        print(f"{mb:>6}MB {docs:>8} {int(rows[0]['blocks']):>8} {prep:>10.1f} {tok_mb:>10.1f} "
-              f"{mean(rows, 'startup_s'):>11.3f} {mean(rows, 'VmRSS'):>8.1f} {mean(rows, 'RssAnon'):>6.1f} "
-              f"{mean(rows, 'RssFile'):>6.1f}{old}")  # fmt: skip
+        cells = [f"{mb} MB", docs, int(rows[0]["blocks"]), f"{prep:.1f}", f"{tok_mb:.1f}",
+                 f"{mean(rows, 'startup_s'):.4f}", f"{mean(rows, 'built_MiB'):.2f}",
+                 f"{mean(rows, 'RssAnon'):.2f}", f"{mean(rows, 'RssFile'):.1f}"]  # fmt: skip
+        if before:
+            cells += [f"| {mean(before, 'startup_s'):.2f}", f"{mean(before, 'VmRSS'):.1f}"]
+        print("  ".join(f"{c:>10}" for c in cells))
     small, large = results[0], results[-1]
-    for key, label in (("startup_s", "start-up"), ("VmRSS", "RSS")):
+    for key, label in (("startup_s", "start-up"), ("built_MiB", "RSS after start-up"),
+                       ("RssAnon", "private RSS after reads"),
+                       ("RssFile", "file-backed RSS after reads")):  # fmt: skip
         ratio = mean(large[4], key) / max(mean(small[4], key), 1e-9)
-        print(f"{label} ratio {large[0]} MB / {small[0]} MB: {ratio:.2f} (goal <= 1.5)")
+        print(f"{label} ratio {large[0]} MB / {small[0]} MB: {ratio:.2f}")
 
 
 # ------------------------------------------------------------------------------------------------- vlm
@@ -200,6 +212,31 @@ def _train(cfg: Path, out: Path, overrides: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _padding(cfg_path: Path, overrides: list[str], micro_batches: int) -> tuple[int, int]:
+    """(real, padded) tokens of the first ``micro_batches`` micro-batches the run reads (one rank)."""
+    from mm_core.config import load_config
+    from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset
+
+    cfg = load_config(str(cfg_path), overrides)
+    dataset = build_dataset(cfg.data, cfg.training.seed)
+    loader = build_dataloader(
+        dataset,
+        build_collator(cfg.data, dataset),
+        cfg.data,
+        micro_batch_size=cfg.training.micro_batch_size,
+        dp_size=1,
+        dp_rank=0,
+        seed=cfg.training.seed,
+    )
+    batches = EpochIterator(loader)
+    real = padded = 0
+    for _ in range(micro_batches):
+        batch = next(batches)
+        real += int(batch["attention_mask"].sum())
+        padded += int(batch["input_ids"].numel())
+    return real, padded
+
+
 def bench_vlm(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="mm_bench_vlm_"))
     try:
@@ -210,28 +247,41 @@ def bench_vlm(args: argparse.Namespace) -> None:
         common = [
             f"data.dataset_param.basic_parameters.dataset_dir={build / 'data'}",
             f"data.dataset_param.preprocess_parameters.model_name_or_path={build / 'processor'}",
+            "data.dataset_param.preprocess_parameters.image_min_pixels=784",
+            "data.dataset_param.preprocess_parameters.image_max_pixels=12544",
             f"data.dataset_param.basic_parameters.cache_dir={work / 'cache'}",
-            *args.overrides,
+            f"model.model_name_or_path={build / 'model'}",
+            f"training.micro_batch_size={args.micro_batch_size}",
             f"training.train_iters={args.steps}",
             "training.log_interval=1",
             "training.save=null",
             "training.progress_bar=false",
             "tools.tensorboard.enable=false",
         ]
-        fixed = _train(cfg, work / "fixed", [*common, f"training.micro_batch_size={args.micro_batch_size}"])
-        budget = args.max_tokens or 0
-        dynamic = _train(
-            cfg, work / "dynamic", [*common, f"data.dataloader_param.max_tokens_per_batch={budget}"]
-        )
+        # the budget: what the longest samples need in a fixed micro-batch, so no batch gets more memory
+        budget = args.max_tokens or args.micro_batch_size * 34
+        runs = {"fixed": common, "budget": [*common, f"data.dataloader_param.max_tokens_per_batch={budget}"]}
+        rows = {}
+        for name, overrides in runs.items():
+            metrics = _train(cfg, work / name, overrides)[args.warmup :]
+            accum = 1
+            for item in overrides:
+                if item.startswith("training.gradient_accumulation_steps="):
+                    accum = int(item.split("=")[1])
+            real, padded = _padding(cfg, overrides, args.steps * accum)
+            tokens = sum(r["tokens"] for r in metrics)
+            seconds = sum(r["step_time_s"] for r in metrics)
+            rows[name] = (real, padded, tokens / len(metrics), tokens / seconds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for name, rows in (("fixed", fixed), ("dynamic", dynamic)):
-        rows = rows[2:]  # warm-up steps
-        real = sum(r["tokens"] for r in rows)
-        padded = sum(r.get("padded_tokens", r["tokens"]) for r in rows)
-        time_s = sum(r["step_time_s"] for r in rows)
-        print(f"{name:>8}: {real / len(rows):8.1f} real tokens/step, {(padded - real) / len(rows):8.1f} padding "
-              f"tokens/step ({(padded - real) / padded:.1%}), {real / time_s:9.1f} real tokens/s")  # fmt: skip
+    print(f"digits VLM, images of 28/56/84/112 px (19-34 tokens per sample), 1 process, {args.steps} steps")
+    print(f"fixed: micro_batch_size {args.micro_batch_size}; budget: max_tokens_per_batch {budget}")
+    print(f"{'':>8} {'padding share':>14} {'real tokens/step':>17} {'real tokens/s':>14}")
+    for name, (real, padded, per_step, speed) in rows.items():
+        print(f"{name:>8} {(padded - real) / padded:>14.1%} {per_step:>17.1f} {speed:>14.1f}")
+    (fr, fp, _, fs), (br, bp, _, bs) = rows["fixed"], rows["budget"]
+    print(f"padding tokens per real token: fixed {(fp - fr) / fr:.3f}, budget {(bp - br) / br:.3f}; "
+          f"real tokens/s budget / fixed: {bs / fs:.2f}")  # fmt: skip
 
 
 def main() -> None:
@@ -246,10 +296,10 @@ def main() -> None:
     t.add_argument("--reads", type=int, default=256)
     t.add_argument("--before-all", action="store_true")
     v = sub.add_parser("vlm")
-    v.add_argument("--steps", type=int, default=30)
-    v.add_argument("--micro-batch-size", type=int, default=8)
-    v.add_argument("--max-tokens", type=int, default=None)
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("--steps", type=int, default=40)
+    v.add_argument("--warmup", type=int, default=5, help="first steps left out of the speed")
+    v.add_argument("--micro-batch-size", type=int, default=16)
+    v.add_argument("--max-tokens", type=int, default=None, help="default: micro-batch-size x 34")
     args = parser.parse_args()
     bench_text(args) if args.what == "text" else bench_vlm(args)
 

@@ -18,6 +18,7 @@ sample.
 
 from __future__ import annotations
 
+import mmap
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,19 @@ _FLUSH_TOKENS = 1 << 20
 def token_dtype(vocab_size: int) -> str:
     """``uint16`` when every id fits, else ``uint32``."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _map_file(path: Path, dtype: np.dtype[Any]) -> np.ndarray:
+    """A read-only array over the file, mapped for random access: samples are read in a random order, so the
+    kernel's read-ahead around each fault would only fill the rank's resident memory (and the page cache)
+    with pages nobody asked for."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)  # an empty file cannot be mapped
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):  # Linux and macOS
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)
 
 
 class ShardWriter:
@@ -113,11 +127,7 @@ class TokenStore:
         if arr is None:
             dtype = np.dtype({"tok": self.dtype, "idx": "int64", "msk": "uint8"}[kind])
             path = self.directory / f"{self.stems[shard]}.{kind}"
-            arr = (
-                np.memmap(path, dtype=dtype, mode="r")
-                if path.stat().st_size
-                else np.zeros(0, dtype=dtype)  # an empty file cannot be mapped
-            )
+            arr = _map_file(path, dtype)
             self._maps[key] = arr
         return arr
 
