@@ -9,8 +9,7 @@ JSONL, tokenised with the quickstart tokenizer:
 - start-up: on ``--nproc`` local ranks at once (separate processes, as under torchrun), the time to build the
   dataset from the prepared cache (the median of 5 builds per rank), and each rank's resident memory after
   building it and reading ``--reads`` random blocks, minus the rank's memory before (``VmRSS`` of
-  /proc/self/status; anonymous and file-backed pages shown apart: mapped shard pages are shared by the ranks
-  through the page cache);
+  /proc/self/status; anonymous and file-backed pages shown apart);
 - before: the same start-up with in-memory tokenisation (what every rank did before preparation existed:
   read every document, tokenise, pack), on the smallest corpus only unless ``--before-all``.
 
@@ -183,7 +182,7 @@ def bench_text(args: argparse.Namespace) -> None:
 
     print(f"{args.nproc} ranks, {args.workers} preparation processes, seq_len 1024, {args.reads} reads")
     print("RSS = growth of the rank's resident memory: after building the dataset, and after the reads")
-    print("split into private (anonymous) and file-backed pages (mapped shard pages, shared by the ranks)")
+    print("split into private (anonymous) and file-backed pages (code of the libraries; no shard is mapped)")
     head = ["corpus", "docs", "blocks", "prepare s", "shards MB", "start-up s", "RSS built", "anon read",
             "file read", "| before: start-up s", "RSS"]  # fmt: skip
     print("  ".join(f"{h:>10}" for h in head))
