@@ -17,7 +17,6 @@ from mm_core.data.cache import (
     open_cache,
     parallel_map,
     tokenizer_fingerprint,
-    verify_cache,
 )
 from mm_core.data.params import (
     BASIC,
@@ -32,6 +31,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.prepare import PreparedDataset
 from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import DataError
 
@@ -116,7 +116,7 @@ def _cache_request(
     return settings, spec
 
 
-class TextPretrainDataset(torch.utils.data.Dataset):
+class TextPretrainDataset(PreparedDataset, torch.utils.data.Dataset):
     """Packed causal-LM pretraining blocks of ``seq_len`` tokens (see ``mm_data_text.packing`` for the rules).
 
     The corpus is tokenised once into memory-mapped token shards (``mm_core.data.tokenstore``) in a cache
@@ -211,36 +211,11 @@ class TextPretrainDataset(torch.utils.data.Dataset):
             self.prepared.path,
         )
 
-    @classmethod
-    def prepare(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-        *,
-        workers: int | None = None,
-        overwrite: bool = False,
-    ) -> list[str]:
-        """``mm data prepare``: tokenise the corpus into the cache (nothing to do when it is current)."""
-        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
-        state = "prepared" if ds.built else "already prepared (current)"
+    def prepared_summary(self) -> list[str]:
         return [
-            f"{state}: {ds.prepared.path}",
-            f"{len(ds.files)} file(s), {ds.num_documents:,} documents, {ds.num_tokens:,} tokens "
-            f"({ds.store.dtype}) -> {len(ds):,} blocks of {ds.seq_len}",
+            f"{len(self.files)} file(s), {self.num_documents:,} documents, {self.num_tokens:,} tokens "
+            f"({self.store.dtype}) -> {len(self):,} blocks of {self.seq_len}"
         ]
-
-    @classmethod
-    def verify(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-    ) -> list[str]:
-        """``mm data verify``: every problem with the prepared cache (sources and shards re-hashed)."""
-        basic = dict(basic_param or {})
-        basic["cache_stale"] = "error"
-        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(

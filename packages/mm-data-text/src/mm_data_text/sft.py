@@ -24,7 +24,6 @@ from mm_core.data.cache import (
     open_cache,
     parallel_map,
     tokenizer_fingerprint,
-    verify_cache,
 )
 from mm_core.data.params import (
     BASIC,
@@ -37,6 +36,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.prepare import PreparedDataset
 from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import ConfigError, DataError
 
@@ -164,7 +164,7 @@ def _cache_request(
     return settings, spec
 
 
-class SFTDataset(torch.utils.data.Dataset):
+class SFTDataset(PreparedDataset, torch.utils.data.Dataset):
     """Supervised fine-tuning samples: labels only on assistant replies and their end-of-turn token.
 
     Each sample is truncated to ``cutoff_len`` tokens (the tail is cut). A sample left without any
@@ -267,37 +267,12 @@ class SFTDataset(torch.utils.data.Dataset):
             self.prepared.path,
         )
 
-    @classmethod
-    def prepare(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-        *,
-        workers: int | None = None,
-        overwrite: bool = False,
-    ) -> list[str]:
-        """``mm data prepare``: tokenise the conversations into the cache (a no-op when it is current)."""
-        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
-        state = "prepared" if ds.built else "already prepared (current)"
-        skipped = f", {ds.num_skipped:,} skipped (first: {ds.skipped[0]})" if ds.num_skipped else ""
+    def prepared_summary(self) -> list[str]:
+        skipped = f", {self.num_skipped:,} skipped (first: {self.skipped[0]})" if self.num_skipped else ""
         return [
-            f"{state}: {ds.prepared.path}",
-            f"{len(ds.files)} file(s) -> {len(ds):,} samples{skipped}, {ds.num_tokens:,} tokens "
-            f"({ds.store.dtype}, cutoff_len {ds.cutoff_len})",
+            f"{len(self.files)} file(s) -> {len(self):,} samples{skipped}, {self.num_tokens:,} tokens "
+            f"({self.store.dtype}, cutoff_len {self.cutoff_len})"
         ]
-
-    @classmethod
-    def verify(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-    ) -> list[str]:
-        """``mm data verify``: every problem with the prepared cache (sources and shards re-hashed)."""
-        basic = dict(basic_param or {})
-        basic["cache_stale"] = "error"
-        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(

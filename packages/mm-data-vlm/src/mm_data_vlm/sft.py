@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import transformers
 
-from mm_core.data.cache import CacheOptions, cache_fields, open_cache, tokenizer_fingerprint, verify_cache
+from mm_core.data.cache import CacheOptions, cache_fields, open_cache, tokenizer_fingerprint
 from mm_core.data.params import (
     BASIC,
     PREPROCESS,
@@ -24,6 +24,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.prepare import PreparedDataset
 from mm_core.errors import DataError
 
 from . import __version__
@@ -60,7 +61,7 @@ PREPROCESS_FIELDS = {
 PREPARE_AGAIN = f"prepare again (`mm data prepare CONFIG --overwrite`, or {BASIC}.overwrite_cache: true)"
 
 
-class VLMSFTDataset(torch.utils.data.Dataset):
+class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
     """Image–text SFT samples for Qwen-VL models, from a record index prepared once (``mm_data_vlm.index``).
 
     Construction maps the index (every rank of a node shares one preparation, done under a lock the first
@@ -173,42 +174,16 @@ class VLMSFTDataset(torch.utils.data.Dataset):
         self.skipped: list[str] = []
         return basic, pre
 
-    @classmethod
-    def prepare(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-        *,
-        workers: int | None = None,
-        overwrite: bool = False,
-    ) -> list[str]:
-        """``mm data prepare``: index the records and count their tokens (a no-op when current)."""
-        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)
-        state = "prepared" if ds.built else "already prepared (current)"
-        statuses = ", ".join(f"{n:,} {name}" for name, n in ds.prepared.payload["status"].items())
-        lengths = ds.index.column("tokens")[ds._usable()]
+    def prepared_summary(self) -> list[str]:
+        statuses = ", ".join(f"{n:,} {name}" for name, n in self.prepared.payload["status"].items())
+        lengths = self.index.column("tokens")[self._usable()]
         tokens = (
             f"{int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}" if len(lengths) else "no tokens"
         )
         return [
-            f"{state}: {ds.prepared.path}",
-            f"{len(ds.files)} file(s), {len(ds):,} records ({statuses or 'none'}); {len(lengths):,} usable "
-            f"within cutoff_len {ds.cutoff_len}: {tokens}",
+            f"{len(self.files)} file(s), {len(self):,} records ({statuses or 'none'}); "
+            f"{len(lengths):,} usable within cutoff_len {self.cutoff_len}: {tokens}"
         ]
-
-    @classmethod
-    def verify(
-        cls,
-        basic_param: Mapping[str, Any] | None,
-        preprocess_param: Mapping[str, Any] | None,
-        dataset_param: Any = None,
-    ) -> list[str]:
-        """``mm data verify``: every problem with the prepared index (sources and index files re-hashed).
-        Images are not part of it: they are checked against the prepared lengths as training reads them."""
-        basic = dict(basic_param or {})
-        basic["cache_stale"] = "error"
-        return verify_cache(cls(basic, preprocess_param, dataset_param).prepared)
 
     @classmethod
     def preflight(

@@ -1,7 +1,8 @@
 """``mm data prepare`` and ``mm data verify``: a dataset's preparation ahead of training, and its check.
 
 A dataset class (or factory) registered under ``mm.datasets`` that prepares its data in a cache (see
-:mod:`mm_core.data.cache`) exposes two class methods, called with the config's ``data.dataset_param``:
+:mod:`mm_core.data.cache`) exposes two class methods, called with the config's ``data.dataset_param``
+(:class:`PreparedDataset` implements both):
 
 - ``prepare(basic_param, preprocess_param, dataset_param, *, workers, overwrite) -> list[str]``: prepare (or
   find current) the cache with ``workers`` local processes; the lines describe what is there;
@@ -15,10 +16,11 @@ out of the collective timeouts of its first step).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mm_core.config.schema import MMConfig
+from mm_core.data.cache import Prepared, verify_cache
 from mm_core.errors import ConfigError
 
 
@@ -64,3 +66,47 @@ def verify_data(cfg: MMConfig, out: Callable[[str], object] = print) -> bool:
     if not problems:
         out(f"{dp.dataset_type}: prepared data verified (sources and prepared files match their hashes)")
     return not problems
+
+
+class PreparedDataset:
+    """The ``prepare``/``verify`` hooks for a dataset class that prepares through
+    :func:`mm_core.data.cache.open_cache`. The class is built as ``cls(basic_param, preprocess_param,
+    dataset_param, workers=..., overwrite=...)``, sets ``self.prepared`` (the :class:`Prepared` folder) and
+    ``self.built`` (whether this construction prepared it), and describes what is there in
+    :meth:`prepared_summary`."""
+
+    prepared: Prepared
+    built: bool
+
+    def prepared_summary(self) -> list[str]:
+        """Lines for ``mm data prepare`` after the folder's path: what the prepared data holds."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+        *,
+        workers: int | None = None,
+        overwrite: bool = False,
+    ) -> list[str]:
+        """``mm data prepare``: prepare the cache (nothing to do when it is current) and describe it."""
+        # the dataset class's own constructor (the mixin's is object's): checked by its subclasses
+        ds = cls(basic_param, preprocess_param, dataset_param, workers=workers, overwrite=overwrite)  # type: ignore[call-arg]  # noqa: E501
+        state = "prepared" if ds.built else "already prepared (current)"
+        return [f"{state}: {ds.prepared.path}", *ds.prepared_summary()]
+
+    @classmethod
+    def verify(
+        cls,
+        basic_param: Mapping[str, Any] | None,
+        preprocess_param: Mapping[str, Any] | None,
+        dataset_param: Any = None,
+    ) -> list[str]:
+        """``mm data verify``: every problem with the prepared cache (sources and prepared files re-hashed);
+        a stale cache is reported, not rebuilt."""
+        basic = {**(basic_param or {}), "cache_stale": "error"}
+        ds = cls(basic, preprocess_param, dataset_param)  # type: ignore[call-arg]
+        return verify_cache(ds.prepared)
