@@ -111,6 +111,10 @@ class CollateParam(Block):
 
 
 class DataloaderParam(Block):
+    """``data.dataloader_param``. Both ``dataloader_mode`` values read the order of torch's DistributedSampler
+    (``sampler_type: BaseRandomBatchSampler`` in micro-batches) through mm's resumable global-order sampler
+    (see :mod:`mm_core.data.sampling` and packages/mm-core/tests/test_dataloader_modes.py)."""
+
     dataloader_mode: Literal["base", "sampler"] = "sampler"
     sampler_type: str = "BaseRandomBatchSampler"
     shuffle: bool = True

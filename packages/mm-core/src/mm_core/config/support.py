@@ -17,11 +17,15 @@ def check_supported(cfg: MMConfig) -> None:
         ("parallel.fsdp_plan.pregather", plan.pregather, False),
         ("parallel.ep_plan.apply_efsdp_modules", cfg.parallel.ep_plan.apply_efsdp_modules, []),
         ("parallel.ep_plan.dispatcher", cfg.parallel.ep_plan.dispatcher, "alltoall"),
-        # mm always reads data through its seeded, resumable global-order sampler (what MindSpeed-MM calls
-        # dataloader_mode: sampler with BaseRandomBatchSampler); other modes would be silently different
-        ("data.dataloader_param.dataloader_mode", dl.dataloader_mode, "sampler"),
-        ("data.dataloader_param.sampler_type", dl.sampler_type, "BaseRandomBatchSampler"),
     ]
     for key, value, default in checks:
         if value != default:
             raise ConfigError(f"{key}: got {value!r}; {_NOT_YET}")
+    # both dataloader modes read the order of torch's DistributedSampler through mm's global-order sampler
+    # (see mm_core.data.sampling); the guide's BaseRandomBatchSampler is that order in micro-batches
+    if dl.sampler_type != "BaseRandomBatchSampler":
+        raise ConfigError(
+            f"data.dataloader_param.sampler_type: got {dl.sampler_type!r}; mm reads every dataset in the "
+            "seeded, resumable order of BaseRandomBatchSampler; for batches of similar lengths use "
+            "data.dataloader_param.max_tokens_per_batch (with dynamic_batch_buffer) instead"
+        )
