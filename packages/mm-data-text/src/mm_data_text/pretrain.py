@@ -14,7 +14,6 @@ from mm_core.data.cache import (
     CacheOptions,
     cache_fields,
     cache_status,
-    open_cache,
     parallel_map,
     tokenizer_fingerprint,
 )
@@ -172,16 +171,7 @@ class TextPretrainDataset(PreparedDataset, torch.utils.data.Dataset):
             bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
             return {"dtype": settings["dtype"], "sources": [shards[a:b] for a, b in zip(bounds, bounds[1:])]}
 
-        self.prepared, self.built = open_cache(
-            root=options.root,
-            name="text_pretrain",
-            spec=spec,
-            sources=self.files,
-            build=build,
-            on_stale=options.on_stale,
-            overwrite=options.overwrite,
-            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
-        )
+        self.prepared, self.built = options.open("text_pretrain", spec, self.files, build)
         payload = self.prepared.payload
         shards = [shard for source in payload["sources"] for shard in source]
         self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=False)

@@ -21,7 +21,6 @@ from mm_core.data.cache import (
     CacheOptions,
     cache_fields,
     cache_status,
-    open_cache,
     parallel_map,
     tokenizer_fingerprint,
 )
@@ -227,16 +226,7 @@ class SFTDataset(PreparedDataset, torch.utils.data.Dataset):
                 "skipped_at": skipped_at,
             }
 
-        self.prepared, self.built = open_cache(
-            root=options.root,
-            name="sft",
-            spec=spec,
-            sources=self.files,
-            build=build,
-            on_stale=options.on_stale,
-            overwrite=options.overwrite,
-            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
-        )
+        self.prepared, self.built = options.open("sft", spec, self.files, build)
         payload = self.prepared.payload
         shards = [shard for source in payload["sources"] for shard in source]
         self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=True)

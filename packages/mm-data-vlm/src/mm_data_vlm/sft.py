@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import transformers
 
-from mm_core.data.cache import CacheOptions, cache_fields, open_cache, tokenizer_fingerprint
+from mm_core.data.cache import CacheOptions, cache_fields, tokenizer_fingerprint
 from mm_core.data.params import (
     BASIC,
     PREPROCESS,
@@ -122,16 +122,7 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             )
             return build_index(folder, self.files, settings, options.workers, self.processor)
 
-        self.prepared, self.built = open_cache(
-            root=options.root,
-            name="vlm_sft",
-            spec=spec,
-            sources=self.files,
-            build=build,
-            on_stale=options.on_stale,
-            overwrite=options.overwrite,
-            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
-        )
+        self.prepared, self.built = options.open("vlm_sft", spec, self.files, build)
         self.index = RecordIndex(self.prepared.path, self.prepared.payload, self.files)
         self.source_sizes = self.index.source_sizes
         status = self.index.column("status")

@@ -368,6 +368,27 @@ class CacheOptions:
     overwrite: bool = False
     on_stale: OnStale = "rebuild"
 
+    def open(
+        self,
+        name: str,
+        spec: Mapping[str, Any],
+        sources: Sequence[Path],
+        build: Callable[[Path], dict[str, Any]],
+    ) -> tuple[Prepared, bool]:
+        """:func:`open_cache` under these options (a stale cache names ``basic_parameters.cache_stale``)."""
+        from mm_core.data.params import BASIC
+
+        return open_cache(
+            root=self.root,
+            name=name,
+            spec=spec,
+            sources=sources,
+            build=build,
+            on_stale=self.on_stale,
+            overwrite=self.overwrite,
+            stale_hint=f", or set {BASIC}.cache_stale: rebuild",
+        )
+
     @classmethod
     def read(
         cls, basic: Mapping[str, Any], *, workers: int | None = None, overwrite: bool = False

@@ -16,6 +16,7 @@ out of the collective timeouts of its first step).
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ def verify_data(cfg: MMConfig, out: Callable[[str], object] = print) -> bool:
     return not problems
 
 
-class PreparedDataset:
+class PreparedDataset(ABC):
     """The ``prepare``/``verify`` hooks for a dataset class that prepares through
     :func:`mm_core.data.cache.open_cache`. The class is built as ``cls(basic_param, preprocess_param,
     dataset_param, workers=..., overwrite=...)``, sets ``self.prepared`` (the :class:`Prepared` folder) and
@@ -78,9 +79,9 @@ class PreparedDataset:
     prepared: Prepared
     built: bool
 
+    @abstractmethod
     def prepared_summary(self) -> list[str]:
         """Lines for ``mm data prepare`` after the folder's path: what the prepared data holds."""
-        raise NotImplementedError
 
     @classmethod
     def prepare(
