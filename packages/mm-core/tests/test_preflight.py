@@ -197,9 +197,10 @@ def test_load_checks_the_checkpoint_without_unpickling_it(good_raw: dict[str, An
 
 # ------------------------------------------------------------------------------------------------- data
 def test_data_uses_the_dataset_preflight_hook(good_raw: dict[str, Any]) -> None:
-    (line,) = check_data(cfg_of(good_raw))
+    line, cache = check_data(cfg_of(good_raw))
     assert line.startswith("data        : text_pretrain: 1 file(s), "), line
     assert "python_reference.jsonl" in line and "first document: " in line, line
+    assert cache.strip().startswith("tokens "), cache  # prepared, current, stale or not yet (docs/data.md)
 
 
 def test_data_missing_file_and_tokenizer_are_named(good_raw: dict[str, Any]) -> None:
@@ -268,7 +269,8 @@ def test_a_dataset_without_hook_is_built_in_full(good_raw: dict[str, Any]) -> No
 def test_run_preflight_prints_data_then_weights(good_raw: dict[str, Any]) -> None:
     lines: list[str] = []
     run_preflight(cfg_of(good_raw), lines.append)
-    assert [line.split(":")[0].strip() for line in lines] == ["data", "weights"]
+    labels = [line.split(":")[0].strip() for line in lines if not line.startswith(" ")]  # not continuations
+    assert labels == ["data", "weights"]
 
 
 # ------------------------------------------------------------------------------------- the real command
