@@ -14,7 +14,6 @@ from mm_core.data.cache import (
     CacheOptions,
     cache_fields,
     cache_status,
-    parallel_map,
     tokenizer_fingerprint,
 )
 from mm_core.data.params import (
@@ -37,7 +36,7 @@ from mm_core.errors import DataError
 from .packing import block_fields
 from .sources import TEXT_SUFFIXES, dataset_entries, describe_files, first_document, resolve_paths
 from .tokenizer import cached_tokenizer, eos_id, load_tokenizer, pad_id
-from .units import Unit, plan_units, unit_documents
+from .units import Unit, prepare_units, unit_documents
 
 logger = logging.getLogger(__name__)
 
@@ -151,25 +150,16 @@ class TextPretrainDataset(PreparedDataset, torch.utils.data.Dataset):
         settings, spec = _cache_request(basic, pre, tokenizer, fingerprint, self.entry_files)
 
         def build(folder: Path) -> dict[str, Any]:
-            units = [
-                [u for f in files for u in plan_units(f, basic["txt_document"])] for files in self.entry_files
-            ]
-            tasks = [
-                (u, settings, str(folder), f"s{s:03d}-{i:05d}")
-                for s, source_units in enumerate(units)
-                for i, u in enumerate(source_units)
-            ]
-            logger.info(
-                "text_pretrain: preparing %s in %d unit(s) with %d process(es) into %s",
-                describe_files(self.files),
-                len(tasks),
-                min(options.workers, len(tasks)),
-                folder.parent,
+            shards = prepare_units(
+                "text_pretrain",
+                _prepare_unit,
+                self.entry_files,
+                settings,
+                folder,
+                options.workers,
+                basic["txt_document"],
             )
-            shards = parallel_map(_prepare_unit, tasks, options.workers)
-            counts = [len(u) for u in units]
-            bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
-            return {"dtype": settings["dtype"], "sources": [shards[a:b] for a, b in zip(bounds, bounds[1:])]}
+            return {"dtype": settings["dtype"], "sources": shards}
 
         self.prepared, self.built = options.open("text_pretrain", spec, self.files, build)
         payload = self.prepared.payload

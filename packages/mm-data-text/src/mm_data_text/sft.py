@@ -21,7 +21,6 @@ from mm_core.data.cache import (
     CacheOptions,
     cache_fields,
     cache_status,
-    parallel_map,
     tokenizer_fingerprint,
 )
 from mm_core.data.params import (
@@ -49,7 +48,7 @@ from .chat import (
 from .packing import IGNORE_INDEX
 from .sources import dataset_entries, describe_files, iter_jsonl, resolve_paths
 from .tokenizer import cached_tokenizer, load_tokenizer, pad_id
-from .units import Unit, plan_units, unit_records
+from .units import Unit, prepare_units, unit_records
 
 logger = logging.getLogger(__name__)
 
@@ -201,27 +200,20 @@ class SFTDataset(PreparedDataset, torch.utils.data.Dataset):
 
         def build(folder: Path) -> dict[str, Any]:
             token_bytes = max_token_bytes(tokenizer)
-            units = [[u for f in files for u in plan_units(f)] for files in self.entry_files]
-            tasks = [
-                (u, {**settings, "token_bytes": token_bytes}, str(folder), f"s{s:03d}-{i:05d}")
-                for s, source_units in enumerate(units)
-                for i, u in enumerate(source_units)
-            ]
-            logger.info(
-                "sft: preparing %s in %d unit(s) with %d process(es) into %s",
-                describe_files(self.files),
-                len(tasks),
-                min(options.workers, len(tasks)),
-                folder.parent,
+            by_source = prepare_units(
+                "sft",
+                _prepare_unit,
+                self.entry_files,
+                {**settings, "token_bytes": token_bytes},
+                folder,
+                options.workers,
             )
-            done = parallel_map(_prepare_unit, tasks, options.workers)
-            counts = [len(u) for u in units]
-            bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+            done = [d for source in by_source for d in source]
             skipped_at = [where for d in done for where in d["skipped_at"]][:SKIPPED_NAMED]
             return {
                 "dtype": settings["dtype"],
                 "token_bytes": token_bytes,
-                "sources": [[d["shard"] for d in done[a:b]] for a, b in zip(bounds, bounds[1:])],
+                "sources": [[d["shard"] for d in source] for source in by_source],
                 "skipped": sum(int(d["skipped"]) for d in done),
                 "skipped_at": skipped_at,
             }

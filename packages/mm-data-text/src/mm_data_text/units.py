@@ -10,14 +10,18 @@ documents of the whole file, so the prepared result does not depend on how many 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mm_core.data.cache import parallel_map
 from mm_core.errors import DataError
 
-from .sources import _check_parquet_schema, _jsonl_text, _txt_documents
+from .sources import _check_parquet_schema, _jsonl_text, _txt_documents, describe_files
+
+logger = logging.getLogger(__name__)
 
 #: source bytes per unit (a unit is the grain of parallel preparation and of one token shard)
 UNIT_BYTES = 32 << 20
@@ -155,3 +159,37 @@ def unit_documents(unit: Unit, text_key: str = "text", txt_document: str = "blan
                 docs.append(value)
             row += 1
     return docs
+
+
+def prepare_units(
+    name: str,
+    task: Callable[[tuple[Unit, dict[str, Any], str, str]], Any],
+    entry_files: list[list[Path]],
+    settings: dict[str, Any],
+    folder: Path,
+    workers: int,
+    txt_document: str = "blank_line",
+) -> list[list[Any]]:
+    """Cut every source's files into units, run ``task((unit, settings, folder, stem))`` on each across
+    ``workers`` local processes (one shard ``s<source>-<unit>`` each), and return the results grouped by
+    source, in order."""
+    units = [[u for f in files for u in plan_units(f, txt_document)] for files in entry_files]
+    tasks = [
+        (u, settings, str(folder), f"s{s:03d}-{i:05d}")
+        for s, source_units in enumerate(units)
+        for i, u in enumerate(source_units)
+    ]
+    logger.info(
+        "%s: preparing %s in %d unit(s) with %d process(es) into %s",
+        name,
+        describe_files([f for files in entry_files for f in files]),
+        len(tasks),
+        min(workers, len(tasks)),
+        folder.parent,
+    )
+    done = parallel_map(task, tasks, workers)
+    out, lo = [], 0
+    for source_units in units:
+        out.append(done[lo : lo + len(source_units)])
+        lo += len(source_units)
+    return out
