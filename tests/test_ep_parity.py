@@ -1,7 +1,9 @@
 """Expert parallelism trains what one process would: a tiny Qwen3-MoE in fp32 for 10 steps with the same
 global batch of 8 sequences on 1 process and on 4 ranks with EP=2 (efsdp=2), EP=4 (efsdp=1) and EP=2 with HSDP
-(2 replicas x 2 shards), router load-balancing loss included (coefficient 0.02) and gradients clipped at 0.5.
-Per-step loss, aux loss and gradient norm agree within 1e-5 relative; so do Muon runs with and without EP."""
+(2 replicas x 2 shards), router load-balancing loss included (coefficient 0.02) and gradients clipped at 0.5;
+EP=2 with the all-gather dispatcher, and EP=2 with the guide's gathering plan (hook_modules, prefetch,
+pregather, apply_efsdp_modules). Per-step loss, aux loss and gradient norm agree within 1e-5 relative; so do
+Muon runs with and without EP."""
 
 from __future__ import annotations
 
@@ -60,10 +62,22 @@ COMMON = [
 ]
 FOUR = ["training.micro_batch_size=1", "training.gradient_accumulation_steps=2"]
 MUON = ["training.optimizer=muon", "training.muon.ns_dtype=fp32"]
+EP2 = [*FOUR, "parallel.expert_parallel_size=2"]
+# the guide's gathering plan: each decoder layer's dense and expert FSDP units gathered as one group, the next
+# group prefetched in forward and backward, the first group all-gathered after each optimizer step
+HOOKS = [
+    "parallel.fsdp_plan.hook_modules=[model.layers.{*}]",
+    "parallel.fsdp_plan.num_to_forward_prefetch=1",
+    "parallel.fsdp_plan.num_to_backward_prefetch=1",
+    "parallel.fsdp_plan.pregather=true",
+    "parallel.ep_plan.apply_efsdp_modules=[model.layers.{*}.mlp.experts]",
+]
 # (name, processes, overrides): global batch = micro x accumulation x data-parallel ranks = 8 everywhere
 LAYOUTS = [
     ("single", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]),
-    ("ep2", 4, [*FOUR, "parallel.expert_parallel_size=2"]),
+    ("ep2", 4, EP2),
+    ("ep2_allgather", 4, [*EP2, "parallel.ep_plan.dispatcher=allgather"]),
+    ("ep2_hooks", 4, [*EP2, *HOOKS]),
     ("ep4", 4, [*FOUR, "parallel.expert_parallel_size=4"]),
     ("ep2_hsdp", 4, [*FOUR, "parallel.expert_parallel_size=2", "parallel.fully_shard_parallel_size=2"]),
     ("single_muon", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2", *MUON]),
@@ -79,7 +93,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("layout", "ref"),
-    [("ep2", "single"), ("ep4", "single"), ("ep2_hsdp", "single"), ("ep2_muon", "single_muon")],
+    [
+        ("ep2", "single"),
+        ("ep4", "single"),
+        ("ep2_hsdp", "single"),
+        ("ep2_muon", "single_muon"),
+        ("ep2_allgather", "single"),
+        ("ep2_allgather", "ep2"),
+        ("ep2_hooks", "single"),
+    ],
 )
 def test_expert_parallel_matches_single_process(runs, layout, ref):
     a, b = runs[ref], runs[layout]

@@ -1,5 +1,6 @@
-"""Every layout trains what one process would: 1 process, FSDP 2, DDP 2 and HSDP 2x2 on the quickstart
-model in fp32, 10 steps, the same global batch of 8 sequences. Losses and gradient norms agree within 1e-5."""
+"""Every layout trains what one process would: 1 process, FSDP 2, DDP 2 and HSDP 2x2 (with hook_modules,
+prefetch and pregather) on the quickstart model in fp32, 10 steps, the same global batch of 8 sequences.
+Losses and gradient norms agree within 1e-5."""
 
 from __future__ import annotations
 
@@ -32,13 +33,17 @@ LAYOUTS = [
             "parallel.fully_shard_parallel_size=1",
         ],
     ),
-    (
-        "hsdp2x2",
+    (  # HSDP with the guide's gathering plan: hook groups, prefetch of the next layer, pregather
+        "hsdp2x2_hooks",
         4,
         [
             "training.micro_batch_size=1",
             "training.gradient_accumulation_steps=2",
             "parallel.fully_shard_parallel_size=2",
+            "parallel.fsdp_plan.hook_modules=[model.layers.{*}]",
+            "parallel.fsdp_plan.num_to_forward_prefetch=1",
+            "parallel.fsdp_plan.num_to_backward_prefetch=1",
+            "parallel.fsdp_plan.pregather=true",
         ],
     ),
 ]

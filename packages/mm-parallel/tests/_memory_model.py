@@ -55,9 +55,10 @@ def batches(rank: int, steps: int) -> list[torch.Tensor]:
 
 
 def train_losses(
-    model: nn.Module, rank: int, steps: int = 3, before_step: Callable | None = None
+    model: nn.Module, rank: int, steps: int = 3, after_step: Callable[[], None] | None = None
 ) -> list[float]:
-    """Per-step global mean loss over ranks (AdamW, fixed data)."""
+    """Per-step global mean loss over ranks (AdamW, fixed data); ``after_step`` runs after each optimizer
+    step."""
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -68,6 +69,8 @@ def train_losses(
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         value = loss.detach().clone()
         dist.all_reduce(value)
         out.append(value.item() / dist.get_world_size())

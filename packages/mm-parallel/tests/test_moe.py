@@ -123,11 +123,11 @@ def test_load_balancing_loss_single_process():
 TOKENS = [7, 0, 12, 3]  # rank 1 sends no tokens at all
 
 
-def _dispatch(rank, world, ep, skew):
+def _dispatch(rank, world, ep, skew, dispatcher):
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     gate_up, down = full_weights()
     inputs = [make_inputs(r, TOKENS[r], skew) for r in range(world)]
-    ad = ExpertParallelExperts(gate_up, down, F.silu, mesh["ep"])
+    ad = ExpertParallelExperts(gate_up, down, F.silu, mesh["ep"], dispatcher=dispatcher)
     x, idx, w = inputs[rank]
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
@@ -160,13 +160,32 @@ def _dispatch(rank, world, ep, skew):
         g = p.grad.to_local().clone()
         dist.all_reduce(g, group=mesh["efsdp"].get_group())
         torch.testing.assert_close(g, ref.grad[lo.start : lo.stop], rtol=1e-5, atol=1e-6)
-    assert ad.comm_timer.calls == 5  # counts; dispatch + combine, forward and backward
+    if dispatcher == "alltoall":
+        assert ad.comm_timer.calls == 5  # counts; dispatch + combine, forward and backward
+    else:  # gathers of x, weights and expert ids + reduce-scatter; backward: 2 reduce-scatters + 1 gather
+        assert ad.comm_timer.calls == 7
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-@pytest.mark.parametrize("skew", [True, False])
-def test_all_to_all_dispatch_matches_one_process(ep, skew):
-    run_ranks(_dispatch, 4, ep, skew)
+@pytest.mark.parametrize(
+    ("ep", "skew", "dispatcher"),
+    [
+        (2, True, "alltoall"),
+        (2, False, "alltoall"),
+        (4, True, "alltoall"),
+        (4, False, "alltoall"),
+        (2, True, "allgather"),
+        (4, True, "allgather"),
+    ],
+)
+def test_expert_dispatch_matches_one_process(ep, skew, dispatcher):
+    """Both dispatchers, with ranks of 7, 0, 12 and 3 tokens (so the all-gather pads) and empty experts."""
+    run_ranks(_dispatch, 4, ep, skew, dispatcher)
+
+
+def test_unknown_dispatcher_is_refused():
+    gate_up, down = full_weights()
+    with pytest.raises(ValueError, match="dispatcher: got 'mc2'"):
+        ExpertParallelExperts(gate_up, down, F.silu, dispatcher="mc2")
 
 
 def _fsdp_experts(rank, world, ep):

@@ -89,6 +89,32 @@ def _worker(rank: int, world: int) -> None:
         model.layers[2]._get_fsdp_state(),
     ]
 
+    # hook groups: each layer with its MLP input projection as a second, nested unit (as a decoder layer with
+    # its expert unit); a group gathers its units together and prefetch counts whole groups; pregather
+    # all-gathers the root and the first group after every optimizer step
+    model = build(order=order)
+    apply_fsdp(model, mesh, [layer.up for layer in model.layers] + list(model.layers))
+    names = [(f"layers.{i}.up", m.up) for i, m in enumerate(model.layers)]
+    names += [(f"layers.{i}", m) for i, m in enumerate(model.layers)]
+    groups = {n: n.removesuffix(".up") for n, _ in names}
+    pf = ExecutionOrderPrefetch(model, names, num_forward=1, num_backward=1, groups=groups)
+    pending = []
+
+    def pregather():
+        pf.pregather()
+        # FSDP2's private state, read only to check that the all-gather was issued ahead
+        pending.append(model.layers[2].up._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
+
+    assert_same(ref, train_losses(model, rank, after_step=pregather), "hook groups + pregather")
+    assert pending == [True, True, True]
+    assert pf.group_order == [[f"layers.{i}", f"layers.{i}.up"] for i in order]
+    assert pf.forward_plan["layers.2"] == ["layers.2.up", "layers.0", "layers.0.up"]
+    assert pf.forward_plan["layers.2.up"] == []
+    assert pf.backward_plan["layers.0"] == ["layers.0.up", "layers.2", "layers.2.up"]
+    assert pf.backward_plan["layers.0.up"] == []
+    with pytest.raises(ValueError, match="not one of the FSDP units"):
+        ExecutionOrderPrefetch(model, names, groups={"layers.9": "layers"})
+
 
 @pytest.mark.slow
 def test_offload_and_prefetch_parity_fsdp2():

@@ -11,7 +11,7 @@ from mm_core.models.plan import plan_of
 from mm_core.optim.factory import describe_optimizer
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
 from mm_core.parallel.estimate import estimate_breakdown
-from mm_core.parallel.memory import describe_features, plan_memory_features
+from mm_core.parallel.memory import describe_features, hook_groups, plan_memory_features
 from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.preflight import run_preflight
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
@@ -24,22 +24,25 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, out) -> None:
-    """Which modules are expert-parallel, and which experts each rank computes."""
+def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, out) -> list[str]:
+    """Which modules are expert-parallel, and which experts each rank computes; returns the modules that are
+    FSDP units of their own (over efsdp, when ep > 1)."""
     from mm_core.parallel.experts import expert_layout, expert_modules
 
     names, source = expert_modules(model, cfg, sizes)
     if not names:
-        return
+        return []
     out(
         f"expert par. : ep={sizes.ep} x efsdp={sizes.efsdp}"
         + (f" x dp_replicate={sizes.dp_replicate}" if sizes.dp_replicate > 1 else "")
-        + f", from {source}; each expert module is its own FSDP unit over efsdp"
+        + f", from {source}; each expert module is its own FSDP unit over efsdp; "
+        + f"dispatcher {cfg.parallel.ep_plan.dispatcher}"
     )
     shown = ", ".join(names[:3]) + (f", ... ({len(names)} modules)" if len(names) > 3 else "")
     out(f"  expert-parallel modules          -> {shown}")
     for line in expert_layout(model, names, sizes):
         out(line)
+    return names if sizes.ep > 1 else []
 
 
 def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
@@ -88,7 +91,9 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
         shown = ", ".join(hits[:3]) + (f", ... ({len(hits)} modules)" if len(hits) > 3 else "")
         out(f"  {pat:<32} -> {shown}")
     out("  (root)                           -> the remaining parameters")
-    _print_expert_parallel(model, cfg, sizes, out)
+    expert_units = _print_expert_parallel(model, cfg, sizes, out)
+    if cfg.parallel.fsdp_plan.hook_modules:  # the trainer's check, on the same units
+        hook_groups(model, list(cfg.parallel.fsdp_plan.hook_modules), units + expert_units)
     budget = cfg.data.dataloader_param.max_tokens_per_batch
     if budget is not None:
         out(

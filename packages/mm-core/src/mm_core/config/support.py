@@ -1,26 +1,23 @@
-"""Settings that the YAML accepts (for compatibility with MindSpeed-MM files) but this version of mm does
-not provide yet. Each one is refused with a clear error instead of being silently ignored."""
+"""Settings that the YAML accepts (for compatibility with MindSpeed-MM files) but mm cannot honour. Each one
+is refused with a clear error that says why and what to use instead, never silently ignored."""
 
 from __future__ import annotations
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
 
-_NOT_YET = "this version of mm does not provide it yet; remove it or set it back to its default"
+_MC2 = (
+    "parallel.ep_plan.dispatcher: got 'mc2'; MC2 is Ascend's fused dispatch/combine kernel "
+    "(torch_npu.npu_moe_distribute_dispatch/combine), which has no backward and caps the tokens per rank, so "
+    "it cannot train; use dispatcher: alltoall (the default) or allgather"
+)
 
 
 def check_supported(cfg: MMConfig) -> None:
     """Raise :class:`ConfigError` for the first setting mm would otherwise have to ignore."""
-    plan, dl = cfg.parallel.fsdp_plan, cfg.data.dataloader_param
-    checks = [
-        ("parallel.fsdp_plan.hook_modules", plan.hook_modules, []),
-        ("parallel.fsdp_plan.pregather", plan.pregather, False),
-        ("parallel.ep_plan.apply_efsdp_modules", cfg.parallel.ep_plan.apply_efsdp_modules, []),
-        ("parallel.ep_plan.dispatcher", cfg.parallel.ep_plan.dispatcher, "alltoall"),
-    ]
-    for key, value, default in checks:
-        if value != default:
-            raise ConfigError(f"{key}: got {value!r}; {_NOT_YET}")
+    dl = cfg.data.dataloader_param
+    if cfg.parallel.ep_plan.dispatcher == "mc2":
+        raise ConfigError(_MC2)
     # both dataloader modes read the order of torch's DistributedSampler through mm's global-order sampler
     # (see mm_core.data.sampling); the guide's BaseRandomBatchSampler is that order in micro-batches
     if dl.sampler_type != "BaseRandomBatchSampler":

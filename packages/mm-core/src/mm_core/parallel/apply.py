@@ -11,6 +11,7 @@ from typing import overload
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
@@ -22,6 +23,7 @@ from mm_core.parallel.experts import apply_expert_parallel
 from mm_core.parallel.memory import apply_memory_features, apply_prefetch
 from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
+from mm_parallel.memory import ExecutionOrderPrefetch
 from mm_parallel.patterns import PatternError, match_modules, select_modules
 
 _DTYPES = {
@@ -94,9 +96,14 @@ def select_modules_checked(model: nn.Module, patterns: list[str], key: str) -> l
     return select_modules(model, patterns)
 
 
-def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Module:
+def shard_model(
+    model: nn.Module, cfg: MMConfig, state: ParallelState
+) -> tuple[nn.Module, ExecutionOrderPrefetch | None]:
     """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root. With
-    ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them."""
+    ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them.
+
+    Returns the sharded model and its gathering plan (hook groups, prefetch, pregather; None when the YAML
+    asks for none), whose :meth:`~ExecutionOrderPrefetch.pregather` the trainer calls after each step."""
     path = cfg.model.model_name_or_path
     check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path and has_weights(path)))
     if cfg.training.lora.enable:
@@ -133,8 +140,11 @@ def shard_model(model: nn.Module, cfg: MMConfig, state: ParallelState) -> nn.Mod
         ignored_params=ignored_params(model, cfg) or None,
     )
     assert isinstance(sharded, nn.Module)  # apply_fsdp returns `model`, now also an FSDPModule
-    apply_prefetch(sharded, cfg, [(unit_names[id(m)], m) for m in units])
-    return sharded
+    # the expert modules are FSDP units of their own when ep > 1 (sharded over efsdp by apply_expert_parallel)
+    expert_units = [(n, sharded.get_submodule(n)) for n in experts]
+    gathered = [(unit_names[id(m)], m) for m in units]
+    gathered += [u for u in expert_units if isinstance(u[1], FSDPModule)]
+    return sharded, apply_prefetch(sharded, cfg, gathered)
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_ex
 from mm_parallel.patterns import PatternError, match_modules
 
 KEY = "parallel.ep_plan.apply_modules"
+EFSDP_KEY = "parallel.ep_plan.apply_efsdp_modules"
 
 
 def ep_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
@@ -40,6 +41,7 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
     patterns, source = ep_patterns(model, cfg)
     ep = sizes.ep
     if ep == 1 and not cfg.parallel.ep_plan.apply_modules:
+        check_efsdp_modules(model, cfg, [])
         return [], source
     if not patterns:
         raise ConfigError(
@@ -67,7 +69,44 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
                 f"parallel.expert_parallel_size: got {ep}; {name} has {w.shape[0]} experts, which must split "
                 f"evenly (accepted: divisors of {w.shape[0]} that divide {sizes.fsdp})"
             )
+    check_efsdp_modules(model, cfg, names)
     return names, source
+
+
+def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str]) -> None:
+    """``parallel.ep_plan.apply_efsdp_modules`` names the expert modules that are FSDP2-sharded over the
+    expert-data-parallel mesh (``efsdp``). In mm that is every expert-parallel module (the default when the
+    key is empty), so the key is accepted when it matches exactly the expert-parallel modules: an expert
+    module left out would hold its weights replicated over ``efsdp`` with no FSDP unit to reduce their
+    gradients, and a module outside the expert set has no ``efsdp`` mesh to be sharded over."""
+    patterns = cfg.parallel.ep_plan.apply_efsdp_modules
+    if not patterns:
+        return
+    if not names:
+        raise ConfigError(
+            f"{EFSDP_KEY}: got {patterns}, but expert parallelism is off (parallel.expert_parallel_size: "
+            "1), so there is no expert-data-parallel mesh; remove the key or set expert_parallel_size"
+        )
+    try:
+        matched = match_modules(model, patterns)
+    except PatternError as exc:
+        raise ConfigError(f"{EFSDP_KEY}: {exc}") from None
+    wanted = {n for hits in matched.values() for n in hits}
+    outside = sorted(wanted - set(names))
+    if outside:
+        raise ConfigError(
+            f"{EFSDP_KEY}: {outside[0]} is not an expert-parallel module (ep_plan.apply_modules); only "
+            "expert modules have an expert-data-parallel (efsdp) mesh to be sharded over; other modules are "
+            "sharded by parallel.fsdp_plan.apply_modules"
+        )
+    left_out = [n for n in names if n not in wanted]
+    if left_out:
+        more = f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+        raise ConfigError(
+            f"{EFSDP_KEY}: {left_out[0]}{more} is expert-parallel but not listed; mm shards every "
+            "expert-parallel module over efsdp (an unsharded one would have no FSDP unit to reduce its "
+            "gradients), so list them all (the same patterns as ep_plan.apply_modules) or remove the key"
+        )
 
 
 def apply_expert_parallel(
@@ -84,7 +123,7 @@ def apply_expert_parallel(
         raise ValueError("expert parallelism (ep > 1) needs ParallelState.expert_mesh")
     ep_mesh = mesh["ep"] if mesh is not None and sizes.ep > 1 else None
     adapter = plan_of(model).expert_adapter or ExpertParallelExperts
-    swapped = swap_experts(model, names, ep_mesh, adapter=adapter)
+    swapped = swap_experts(model, names, ep_mesh, adapter=adapter, dispatcher=cfg.parallel.ep_plan.dispatcher)
     if mesh is not None and sizes.ep > 1:
         fsdp_mesh = mesh["dp_replicate", "efsdp"] if sizes.dp_replicate > 1 else mesh["efsdp"]
         # the loss is scaled for an average over every rank (see Trainer.train_step): divide expert

@@ -1,5 +1,6 @@
 """The YAML's memory features applied to a model: ``model.recompute`` (full or selective),
-``model.activation_offload`` and ``parallel.fsdp_plan.num_to_{forward,backward}_prefetch``.
+``model.activation_offload``, and the FSDP gathering plan: ``parallel.fsdp_plan.hook_modules``,
+``num_to_{forward,backward}_prefetch`` and ``pregather``.
 
 Recompute and offload are applied before ``fully_shard`` (they are module hooks and keep parameter names);
 prefetch is wired after it, from the order the FSDP units really run in during the first forward.
@@ -120,22 +121,64 @@ def apply_memory_features(model: nn.Module, cfg: MMConfig, device_type: str) -> 
     return feats
 
 
+def hook_groups(model: nn.Module, patterns: list[str], unit_names: Sequence[str]) -> dict[str, str]:
+    """``parallel.fsdp_plan.hook_modules``: each FSDP unit inside (or equal to) a matched module, mapped to
+    that module's name. Every hook module must hold at least one unit, and hook modules must not nest."""
+    key = "parallel.fsdp_plan.hook_modules"
+    hooks = [n for n, _ in _matched(model, patterns, key)]
+    nested = _overlap_within(hooks)
+    if nested:
+        raise ConfigError(f"{key}: {nested[1]} is inside {nested[0]}; hook modules must not nest")
+    groups: dict[str, str] = {}
+    for hook in hooks:
+        inside = [u for u in unit_names if u == hook or u.startswith(hook + ".")]
+        if not inside:
+            raise ConfigError(
+                f"{key}: {hook} holds no FSDP unit, so there is nothing to gather at its hooks; name "
+                "modules that are (or contain) units of parallel.fsdp_plan.apply_modules or expert modules"
+            )
+        groups.update((u, hook) for u in inside)
+    return groups
+
+
+def _overlap_within(names: Sequence[str]) -> tuple[str, str] | None:
+    for x in names:
+        for y in names:
+            if y.startswith(x + "."):
+                return x, y
+    return None
+
+
 def apply_prefetch(
     model: nn.Module, cfg: MMConfig, units: Sequence[tuple[str, nn.Module]]
 ) -> ExecutionOrderPrefetch | None:
-    """FSDP2 prefetch of ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` units, in the order the
-    units run (recorded in the first forward); call after ``fully_shard``."""
+    """FSDP2 prefetch by hook group (``hook_modules``), ``num_to_forward_prefetch`` /
+    ``num_to_backward_prefetch`` groups ahead, and ``pregather``, in the order the units run (recorded in the
+    first forward); call after ``fully_shard`` with every unit, expert units included."""
     plan = cfg.parallel.fsdp_plan
-    if not (plan.num_to_forward_prefetch or plan.num_to_backward_prefetch):
+    wanted = {
+        "num_to_forward_prefetch/num_to_backward_prefetch": bool(
+            plan.num_to_forward_prefetch or plan.num_to_backward_prefetch
+        ),
+        "hook_modules": bool(plan.hook_modules),
+        "pregather": plan.pregather,
+    }
+    if not any(wanted.values()):
         return None
     units = [(n, m) for n, m in units if m is not model]
-    if not units:
+    if not units and (wanted["hook_modules"] or wanted["num_to_forward_prefetch/num_to_backward_prefetch"]):
+        keys = [k for k, on in wanted.items() if on and k != "pregather"]
         raise ConfigError(
-            "parallel.fsdp_plan.num_to_forward_prefetch/num_to_backward_prefetch: the FSDP plan has no units "
-            "besides the root, so there is nothing to prefetch; add parallel.fsdp_plan.apply_modules"
+            f"parallel.fsdp_plan.{keys[0]}: the FSDP plan has no units besides the root, so there is nothing "
+            "to gather ahead; add parallel.fsdp_plan.apply_modules"
         )
+    groups = hook_groups(model, list(plan.hook_modules), [n for n, _ in units]) if plan.hook_modules else {}
     return ExecutionOrderPrefetch(
-        model, units, num_forward=plan.num_to_forward_prefetch, num_backward=plan.num_to_backward_prefetch
+        model,
+        units,
+        num_forward=plan.num_to_forward_prefetch,
+        num_backward=plan.num_to_backward_prefetch,
+        groups=groups,
     )
 
 
@@ -156,10 +199,21 @@ def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
     if feats.offload:
         lines.append(f"act. offload: saved activations to host memory -> {shown(feats.offload)}")
     plan = cfg.parallel.fsdp_plan
+    what = "hook group(s)" if plan.hook_modules else "unit(s)"
     if plan.num_to_forward_prefetch or plan.num_to_backward_prefetch:
         lines.append(
-            f"prefetch    : {plan.num_to_forward_prefetch} unit(s) ahead in forward, "
+            f"prefetch    : {plan.num_to_forward_prefetch} {what} ahead in forward, "
             f"{plan.num_to_backward_prefetch} in backward, in the order recorded during the first forward"
+        )
+    if plan.hook_modules:
+        lines.append(
+            f"hook groups : the FSDP units inside each of {', '.join(plan.hook_modules)} are all-gathered "
+            "together (expert units with their layer)"
+        )
+    if plan.pregather:
+        lines.append(
+            "pregather   : the root and first group of the next forward are all-gathered after each "
+            "optimizer step"
         )
     if plan.cpu_offload:
         lines.append("cpu offload : sharded parameters, gradients and optimizer states in host memory")

@@ -75,6 +75,7 @@ class Trainer:
         self._skipped_pending = 0  # this rank's, not yet summed
         self._labels_withheld_ok = False
         self._saved_step: int | None = None
+        self._plan_shown = False
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> Trainer:
@@ -146,7 +147,7 @@ class Trainer:
         apply_freeze(model, cfg.model.freeze)
         if not meta:
             model.to(self.state.device)
-        model = shard_model(model, cfg, self.state)
+        model, self.gather_plan = shard_model(model, cfg, self.state)
         if meta:
             weights_from_load = self.load_path is not None
             hf_weights = (
@@ -425,12 +426,25 @@ class Trainer:
                         self._stop_on_signal(step)
                     if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
                         self.save()
+                    self._after_step(step)
             if self.saver is not None:
                 self.saver.wait()
         finally:
             tools.close()
             logger.close()
         return records
+
+    def _after_step(self, step: int) -> None:
+        """The gathering plan (hook groups, prefetch) is shown once, after the forward that recorded it;
+        with ``pregather`` the first units of the next forward are all-gathered now."""
+        plan = self.gather_plan
+        if plan is None:
+            return
+        if not self._plan_shown:
+            self._plan_shown = True
+            self._info(plan.describe() + (", pregather on" if self.cfg.parallel.fsdp_plan.pregather else ""))
+        if self.cfg.parallel.fsdp_plan.pregather and step < self.cfg.training.train_iters:
+            plan.pregather()
 
     def _stop_on_signal(self, step: int) -> None:
         """Every rank saw the stop request at this step: save (unless this step's checkpoint exists) and

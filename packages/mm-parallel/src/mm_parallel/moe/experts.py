@@ -7,8 +7,10 @@ that holds all experts' weights as two 3-D parameters, ``gate_up_proj [experts, 
 names and global shapes (so checkpoints and exports are unchanged), but each rank of the ``ep`` mesh holds
 only its ``experts / ep`` consecutive experts (a DTensor ``Shard(0)`` on ``ep``). Tokens travel to the rank
 of their expert with an all-to-all, are computed there with grouped matrix products, and come back the
-same way. It is installed by replacing the child module in the model's own module tree
-(:func:`swap_experts`); nothing in transformers is patched.
+same way (``dispatcher="alltoall"``), or every rank's tokens are all-gathered, each rank computes its own
+experts' share and the shares are reduce-scattered back (``dispatcher="allgather"``, see
+:mod:`mm_parallel.moe.allgather`). It is installed by replacing the child module in the model's own
+module tree (:func:`swap_experts`); nothing in transformers is patched.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from mm_parallel.device import group_backend
 from mm_parallel.moe.all_to_all import CommTimer, all_to_all, exchange_counts
+from mm_parallel.moe.allgather import allgather_experts
 from mm_parallel.moe.grouped import expert_mlp
+
+#: how tokens reach the ranks of their experts (``parallel.ep_plan.dispatcher``)
+DISPATCHERS = ("alltoall", "allgather")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -42,10 +48,14 @@ class ExpertParallelExperts(nn.Module):
         ep_mesh: DeviceMesh | None = None,
         *,
         use_grouped_mm: bool | None = None,
+        dispatcher: str = "alltoall",
     ) -> None:
         """``gate_up_proj``/``down_proj`` are the FULL fused weights (any device, meta included); this rank
-        keeps its slice of experts."""
+        keeps its slice of experts. ``dispatcher`` is one of :data:`DISPATCHERS`."""
         super().__init__()
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher: got {dispatcher!r}; expected one of {', '.join(DISPATCHERS)}")
+        self.dispatcher = dispatcher
         num_experts = int(gate_up_proj.shape[0])
         ep = ep_mesh.size() if ep_mesh is not None else 1
         if ep_mesh is not None and ep_mesh.ndim != 1:
@@ -68,7 +78,12 @@ class ExpertParallelExperts(nn.Module):
 
     @classmethod
     def from_fused(
-        cls, experts: nn.Module, ep_mesh: DeviceMesh | None = None, *, use_grouped_mm: bool | None = None
+        cls,
+        experts: nn.Module,
+        ep_mesh: DeviceMesh | None = None,
+        *,
+        use_grouped_mm: bool | None = None,
+        dispatcher: str = "alltoall",
     ) -> ExpertParallelExperts:
         """Adapt a module with ``gate_up_proj``, ``down_proj`` and ``act_fn`` (transformers' experts)."""
         missing = [a for a in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, a)]
@@ -81,7 +96,7 @@ class ExpertParallelExperts(nn.Module):
         gate_up = cast(torch.Tensor, experts.gate_up_proj)
         down = cast(torch.Tensor, experts.down_proj)
         act_fn = cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn)
-        adapter = cls(gate_up, down, act_fn, ep_mesh, use_grouped_mm=use_grouped_mm)
+        adapter = cls(gate_up, down, act_fn, ep_mesh, use_grouped_mm=use_grouped_mm, dispatcher=dispatcher)
         adapter.gate_up_proj.requires_grad_(gate_up.requires_grad)
         adapter.down_proj.requires_grad_(down.requires_grad)
         return adapter
@@ -110,13 +125,27 @@ class ExpertParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, ep={self.ep_size}, local experts {self.local_expert_ids.start}.."
-            f"{self.local_expert_ids.stop - 1}"
+            f"{self.local_expert_ids.stop - 1}, dispatcher={self.dispatcher}"
         )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """Same call and result as transformers' fused experts: ``[tokens, hidden]`` out."""
+        if self.ep_size > 1 and self.dispatcher == "allgather":
+            assert self.ep_mesh is not None  # ep_size > 1
+            return allgather_experts(
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                _local(self.gate_up_proj),
+                _local(self.down_proj),
+                self.act_fn,
+                first_expert=self.local_expert_ids.start,
+                group=self.ep_mesh.get_group(),
+                timer=self.comm_timer,
+                use_grouped_mm=self.use_grouped_mm,
+            )
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert (hence by destination rank)
@@ -161,6 +190,7 @@ def swap_experts(
     *,
     adapter: type[ExpertParallelExperts] = ExpertParallelExperts,
     use_grouped_mm: bool | None = None,
+    dispatcher: str = "alltoall",
 ) -> dict[str, ExpertParallelExperts]:
     """Replace each named fused-experts module of ``model`` with ``adapter.from_fused(module, ep_mesh)``
     (through ``setattr`` on its parent), before FSDP. Returns the new modules by name."""
@@ -168,7 +198,7 @@ def swap_experts(
     out: dict[str, ExpertParallelExperts] = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
-        new = adapter.from_fused(modules[name], ep_mesh, use_grouped_mm=use_grouped_mm)
+        new = adapter.from_fused(modules[name], ep_mesh, use_grouped_mm=use_grouped_mm, dispatcher=dispatcher)
         setattr(modules[parent_name] if parent_name else model, child, new)
         out[name] = new
     return out
@@ -221,7 +251,8 @@ def expert_owner(expert: int, num_experts: int, ep: int) -> int:
 
 
 def total_comm_seconds(model: nn.Module) -> tuple[float, int]:
-    """Sum of all-to-all time and call count over every adapter in ``model`` (see :class:`CommTimer`)."""
+    """Sum of dispatcher communication time (all-to-all, or all-gather and reduce-scatter) and call count
+    over every adapter in ``model`` (see :class:`CommTimer`)."""
     seconds, calls = 0.0, 0
     for m in model.modules():
         if isinstance(m, ExpertParallelExperts):

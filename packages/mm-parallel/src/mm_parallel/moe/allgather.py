@@ -1,0 +1,133 @@
+"""The all-gather expert dispatcher (``parallel.ep_plan.dispatcher: allgather``).
+
+Every rank of the ``ep`` group receives every rank's tokens (an all-gather), computes the assignments that
+fall on its own experts, and the partial outputs are summed back onto the ranks that own the tokens (a
+reduce-scatter). Compared with the all-to-all dispatcher it moves ``ep`` times more rows, but it needs no
+count exchange and no host synchronisation on the split sizes, so it suits small ``ep`` groups and short
+sequences (decode-like shapes) where latency, not bandwidth, dominates.
+
+Ranks may hold different numbers of tokens: each rank's rows are padded to the group's largest count
+(padding rows carry expert ``-1`` and are never computed), so both collectives use equal chunks. The two
+collectives are each other's backward: the gradient of an all-gather is a reduce-scatter and vice versa.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mm_parallel.moe.all_to_all import CommTimer
+from mm_parallel.moe.grouped import expert_mlp
+
+
+def _timed(timer: CommTimer | None, out: torch.Tensor, t0: float) -> None:
+    if timer is None:
+        return
+    if out.device.type != "cpu":
+        getattr(torch, out.device.type).synchronize()
+    timer.seconds += time.perf_counter() - t0
+    timer.calls += 1
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    t0 = time.perf_counter()
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    _timed(timer, out, t0)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    t0 = time.perf_counter()
+    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    _timed(timer, out, t0)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
+        return _gather(x, group, timer)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.group, ctx.timer), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
+        return _reduce_scatter(x, group, timer)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.group, ctx.timer), None, None
+
+
+def all_gather_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None = None
+) -> torch.Tensor:
+    """``[rows, ...]`` on each rank -> ``[ranks * rows, ...]`` (rank order); differentiable (the gradient is
+    reduce-scattered back). Every rank must pass the same number of rows."""
+    out: torch.Tensor = _AllGather.apply(x, group, timer)  # type: ignore[no-untyped-call]
+    return out
+
+
+def reduce_scatter_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None = None
+) -> torch.Tensor:
+    """``[ranks * rows, ...]`` on each rank -> the sum over ranks of chunk ``rank``; differentiable (the
+    gradient is all-gathered)."""
+    out: torch.Tensor = _ReduceScatter.apply(x, group, timer)  # type: ignore[no-untyped-call]
+    return out
+
+
+def allgather_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    first_expert: int,
+    group: dist.ProcessGroup,
+    timer: CommTimer | None = None,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """The fused-experts call ``[tokens, hidden] -> [tokens, hidden]`` with this rank's local experts
+    ``first_expert .. first_expert + gate_up_proj.shape[0] - 1`` (plain local tensors) and the all-gather
+    dispatcher over ``group``."""
+    tokens, k = top_k_index.shape
+    n_local = gate_up_proj.shape[0]
+    # the group's largest token count (one small all-reduce; ranks differ with uneven micro-batches)
+    most = torch.tensor([tokens], device=hidden_states.device, dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    rows = int(most.item())
+    pad = rows - tokens
+    x, idx, w = hidden_states, top_k_index, top_k_weights
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+        idx = torch.cat([idx, idx.new_full((pad, k), -1)])
+        w = torch.cat([w, w.new_zeros((pad, k))])
+    all_x = all_gather_rows(x, group, timer)
+    all_w = all_gather_rows(w, group, timer)
+    with torch.no_grad():
+        all_idx = _gather(idx, group, timer)
+    # the assignments of every rank's tokens that fall on this rank's experts, grouped by expert
+    flat = all_idx.reshape(-1) - first_expert
+    mine = torch.nonzero((flat >= 0) & (flat < n_local)).squeeze(1)
+    order = mine[torch.argsort(flat[mine], stable=True)]
+    token_of = order // k
+    counts = torch.bincount(flat[order], minlength=n_local)
+    y = expert_mlp(all_x[token_of], gate_up_proj, down_proj, counts, act_fn, use_grouped_mm=use_grouped_mm)
+    weights = all_w.reshape(-1)[order].to(y.dtype)
+    partial = all_x.new_zeros(all_x.shape).index_add(0, token_of, (y * weights[:, None]).to(all_x.dtype))
+    return reduce_scatter_rows(partial, group, timer)[:tokens]
