@@ -1,10 +1,15 @@
 """``mm check`` for expert parallelism: the expert-parallel modules and the experts of each rank are shown;
-impossible settings stop with errors that name the YAML key."""
+impossible settings (and the guide's gathering keys used wrongly) stop with errors that name the YAML key."""
 
 from __future__ import annotations
 
+import pytest
 from _mm import mm
 from test_ep_parity import moe_config
+
+from mm_core.check import run_check
+from mm_core.config import load_config
+from mm_core.errors import ConfigError
 
 
 def test_check_shows_expert_placement(tmp_path):
@@ -28,3 +33,35 @@ def test_bad_expert_settings_are_refused(tmp_path):
     assert bad.returncode == 2 and "is not a fused experts module" in bad.stderr
     bad = mm("check", str(cfg), "parallel.ep_plan.dispatcher=mc2", "--world-size", "4", check=False)
     assert bad.returncode == 2 and "parallel.ep_plan.dispatcher: got 'mc2'" in bad.stderr
+
+
+def _check(cfg, *overrides: str, world: int = 4) -> None:
+    """``mm check`` in this process (the same function the CLI calls), quiet."""
+    run_check(load_config(cfg, list(overrides)), world, quiet=True)
+
+
+def test_guide_gathering_and_efsdp_keys_are_checked(tmp_path):
+    cfg = moe_config(tmp_path)
+    ep2 = "parallel.expert_parallel_size=2"
+    # the guide's values are accepted: every expert module over efsdp, hook groups at the decoder layers
+    _check(
+        cfg, ep2, "parallel.ep_plan.apply_efsdp_modules=[model.layers.{*}.mlp.experts]",
+        "parallel.fsdp_plan.hook_modules=[model.layers.{*}]", "parallel.fsdp_plan.pregather=true",
+        "parallel.ep_plan.dispatcher=allgather",
+    )  # fmt: skip
+    cases = [
+        ([ep2, "parallel.ep_plan.apply_efsdp_modules=[model.layers.0.mlp.experts]"],
+         r"apply_efsdp_modules: model\.layers\.1\.mlp\.experts is expert-parallel but not listed"),
+        ([ep2, "parallel.ep_plan.apply_efsdp_modules=[model.layers.{*}.mlp]"],
+         r"apply_efsdp_modules: model\.layers\.0\.mlp is not an expert-parallel module"),
+        (["parallel.ep_plan.apply_efsdp_modules=[model.layers.{*}.mlp.experts]"],
+         r"apply_efsdp_modules: .* expert parallelism is off"),
+        ([ep2, "parallel.fsdp_plan.hook_modules=[model.layers.{*}.self_attn]"],
+         r"hook_modules: model\.layers\.0\.self_attn holds no FSDP unit"),
+        (["parallel.fsdp_plan.hook_modules=[model, model.layers.{*}]"],
+         r"hook_modules: model\.layers\.0 is inside model; hook modules must not nest"),
+        (["parallel.fsdp_plan.hook_modules=[model.layer.{*}]"], r"hook_modules: .*did you mean"),
+    ]  # fmt: skip
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            _check(cfg, *overrides)

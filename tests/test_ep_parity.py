@@ -2,8 +2,8 @@
 global batch of 8 sequences on 1 process and on 4 ranks with EP=2 (efsdp=2), EP=4 (efsdp=1) and EP=2 with HSDP
 (2 replicas x 2 shards), router load-balancing loss included (coefficient 0.02) and gradients clipped at 0.5;
 EP=2 with the all-gather dispatcher, and EP=2 with the guide's gathering plan (hook_modules, prefetch,
-pregather, apply_efsdp_modules). Per-step loss, aux loss and gradient norm agree within 1e-5 relative; so do
-Muon runs with and without EP."""
+pregather, apply_efsdp_modules, with recompute). Per-step loss, aux loss and gradient norm agree within 1e-5
+relative; so do Muon runs with and without EP."""
 
 from __future__ import annotations
 
@@ -64,8 +64,10 @@ FOUR = ["training.micro_batch_size=1", "training.gradient_accumulation_steps=2"]
 MUON = ["training.optimizer=muon", "training.muon.ns_dtype=fp32"]
 EP2 = [*FOUR, "parallel.expert_parallel_size=2"]
 # the guide's gathering plan: each decoder layer's dense and expert FSDP units gathered as one group, the next
-# group prefetched in forward and backward, the first group all-gathered after each optimizer step
+# group prefetched in forward and backward, the first group all-gathered after each optimizer step; with
+# recompute, so the recomputed forward in backward runs through the same FSDP hooks
 HOOKS = [
+    "model.recompute=true",
     "parallel.fsdp_plan.hook_modules=[model.layers.{*}]",
     "parallel.fsdp_plan.num_to_forward_prefetch=1",
     "parallel.fsdp_plan.num_to_backward_prefetch=1",
