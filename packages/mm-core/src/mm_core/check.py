@@ -35,8 +35,13 @@ def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes
     out(
         f"expert par. : ep={sizes.ep} x efsdp={sizes.efsdp}"
         + (f" x dp_replicate={sizes.dp_replicate}" if sizes.dp_replicate > 1 else "")
-        + f", from {source}; each expert module is its own FSDP unit over efsdp; "
-        + f"dispatcher {cfg.parallel.ep_plan.dispatcher}"
+        + f", from {source}; "
+        + (
+            "each expert module is its own FSDP unit over efsdp; "
+            f"dispatcher {cfg.parallel.ep_plan.dispatcher}"
+            if sizes.ep > 1
+            else "experts stay in their layer's FSDP unit (no exchange with ep=1)"
+        )
     )
     shown = ", ".join(names[:3]) + (f", ... ({len(names)} modules)" if len(names) > 3 else "")
     out(f"  expert-parallel modules          -> {shown}")

@@ -41,7 +41,7 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
     patterns, source = ep_patterns(model, cfg)
     ep = sizes.ep
     if ep == 1 and not cfg.parallel.ep_plan.apply_modules:
-        check_efsdp_modules(model, cfg, [])
+        check_efsdp_modules(model, cfg, [], ep)
         return [], source
     if not patterns:
         raise ConfigError(
@@ -69,11 +69,11 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
                 f"parallel.expert_parallel_size: got {ep}; {name} has {w.shape[0]} experts, which must split "
                 f"evenly (accepted: divisors of {w.shape[0]} that divide {sizes.fsdp})"
             )
-    check_efsdp_modules(model, cfg, names)
+    check_efsdp_modules(model, cfg, names, ep)
     return names, source
 
 
-def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str]) -> None:
+def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str], ep: int) -> None:
     """``parallel.ep_plan.apply_efsdp_modules`` names the expert modules that are FSDP2-sharded over the
     expert-data-parallel mesh (``efsdp``). In mm that is every expert-parallel module (the default when the
     key is empty), so the key is accepted when it matches exactly the expert-parallel modules: an expert
@@ -82,7 +82,7 @@ def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str]) -> No
     patterns = cfg.parallel.ep_plan.apply_efsdp_modules
     if not patterns:
         return
-    if not names:
+    if not names or ep == 1:
         raise ConfigError(
             f"{EFSDP_KEY}: got {patterns}, but expert parallelism is off (parallel.expert_parallel_size: "
             "1), so there is no expert-data-parallel mesh; remove the key or set expert_parallel_size"

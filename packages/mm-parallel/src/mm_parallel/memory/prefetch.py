@@ -123,8 +123,8 @@ class ExecutionOrderPrefetch:
     def pregather(self) -> None:
         """All-gather the root and the first group of the next forward now (asynchronously); call after the
         optimizer step when another forward follows. Does nothing before the first forward has been seen."""
-        if not self.wired or not self.group_order:
+        if not self.wired:
             return
         self._root.unshard(async_op=True)
-        for name in self.group_order[0]:
+        for name in self.group_order[0] if self.group_order else []:
             self._units[name].unshard(async_op=True)
