@@ -1,4 +1,4 @@
-"""Benchmark expert parallelism on local gloo ranks (CPU): tokens/s, per-rank peak memory and all-to-all time.
+"""Benchmark expert parallelism on local gloo ranks (CPU): tokens/s, per-rank peak memory and exchange time.
 
 One invocation trains a small Qwen3-MoE (transformers' ``Qwen3MoeForCausalLM``; default 2 layers, hidden 256,
 32 experts of inter 256, top-4) for a few steps on ``--world-size`` ranks (default 4) once per layout, each
@@ -6,14 +6,23 @@ in fresh processes so that peak memory is per layout:
 
 - ``ep1 (transformers loop)``: FSDP over all ranks with transformers' own per-expert loop,
 - ``ep1``: FSDP over all ranks with mm's adapter (grouped matrix products, no exchange),
-- ``ep2``, ``ep4``: mm's expert parallelism (experts split over ``ep`` ranks, FSDP over ``efsdp``).
+- ``ep2``, ``ep4``: mm's expert parallelism (experts split over ``ep`` ranks, FSDP over ``efsdp``) with the
+  all-to-all dispatcher (``parallel.ep_plan.dispatcher: alltoall``, the default),
+- ``ep2 allgather``, ``ep4 allgather``: the same split with the all-gather dispatcher
+  (``dispatcher: allgather``): every ep rank all-gathers the tokens of its ep group (padded to the group's
+  largest count), computes its local experts' share and the shares are reduce-scattered back.
+
+The all-to-all and all-gather rows of one ep size run in the same invocation, one after the other.
 
     python tools/bench/moe.py [--world-size 4] [--steps 4] [--warmup 2] [--seq 256] [--micro 2]
 
 Each rank runs one CPU thread. tokens/s is the global tokens of a step over the slowest rank's median step
 time; peak memory is the largest per-rank peak resident set size (CPU: the process's whole footprint, so the
-differences between rows are what the layout changes); all-to-all is the wall time spent inside the token
-exchanges (dispatch + combine, forward + backward) per step, on the slowest rank.
+differences between rows are what the layout changes); the exchange columns are the wall time spent inside
+the token exchanges (dispatch + combine, forward + backward) per step, on the slowest rank, and its share of
+the step: the two all-to-alls (and the backward's two) for the ``alltoall`` rows; for the ``allgather`` rows
+the all-gathers (token rows, routing weights, expert indices) plus the reduce-scatter of the shares, and in
+backward the reduce-scatters and the all-gather that mirror them.
 """
 
 from __future__ import annotations
@@ -67,12 +76,13 @@ def _worker(
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ep = 1 if layout.startswith("ep1") else int(layout[2:])
+    ep = 1 if layout.startswith("ep1") else int(layout.split()[0][2:])
+    dispatcher = "allgather" if layout.endswith("allgather") else "alltoall"
     model = _model(args)
     names = [n for n, _ in model.named_modules() if n.endswith("mlp.experts")]
     if layout != "ep1 (transformers loop)":
         mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-        swapped = swap_experts(model, names, mesh["ep"] if ep > 1 else None)
+        swapped = swap_experts(model, names, mesh["ep"] if ep > 1 else None, dispatcher=dispatcher)
         if ep > 1:
             shard_experts(list(swapped.values()), mesh["efsdp"], gradient_divide_factor=world)
     shard = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
@@ -120,8 +130,8 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
         "layout": layout,
         "tokens_per_s": tokens / step,
         "step_s": step,
-        "a2a_ms": 1e3 * max(r["comm_s"] for r in recs),
-        "a2a_share": max(r["comm_s"] for r in recs) / step,
+        "comm_ms": 1e3 * max(r["comm_s"] for r in recs),
+        "comm_share": max(r["comm_s"] for r in recs) / step,
         "peak_gb": max(r["peak_gb"] for r in recs),
         "param_mb": max(r["local_param_mb"] for r in recs),
     }
@@ -141,19 +151,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args(argv)
     eps = [e for e in (2, 4, 8) if e <= args.world_size and args.world_size % e == 0]
-    layouts = ["ep1 (transformers loop)", "ep1"] + [f"ep{e}" for e in eps]
+    layouts = ["ep1 (transformers loop)", "ep1"] + [f"ep{e}{d}" for e in eps for d in ("", " allgather")]
     print(
         f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts x inter {args.inter}, "
         f"top-{args.top_k}; {args.world_size} gloo ranks x 1 thread, {args.micro} x {args.seq} tokens/rank"
     )
-    print("| layout | tokens/s | step (s) | all-to-all (ms/step) | all-to-all share | peak RSS/rank (GiB) "
+    print("| layout | tokens/s | step (s) | exchange (ms/step) | exchange share | peak RSS/rank (GiB) "
           "| params/rank (MiB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for layout in layouts:
         r = run_layout(layout, args)
         print(
-            f"| {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['a2a_ms']:.1f} | "
-            f"{100 * r['a2a_share']:.1f}% | {r['peak_gb']:.3f} | {r['param_mb']:.1f} |",
+            f"| {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['comm_ms']:.1f} | "
+            f"{100 * r['comm_share']:.1f}% | {r['peak_gb']:.3f} | {r['param_mb']:.1f} |",
             flush=True,
         )
 

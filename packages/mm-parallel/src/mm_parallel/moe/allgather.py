@@ -2,9 +2,10 @@
 
 Every rank of the ``ep`` group receives every rank's tokens (an all-gather), computes the assignments that
 fall on its own experts, and the partial outputs are summed back onto the ranks that own the tokens (a
-reduce-scatter). Compared with the all-to-all dispatcher it moves ``ep`` times more rows, but it needs no
-count exchange and no host synchronisation on the split sizes, so it suits small ``ep`` groups and short
-sequences (decode-like shapes) where latency, not bandwidth, dominates.
+reduce-scatter). Per token the all-to-all dispatcher sends one row per routed expert (``top_k``) and this
+one sends one row per ep rank (``ep``), so it moves less when ``ep < top_k`` and more beyond; it replaces
+the all-to-all's per-expert count exchange and uneven splits with one scalar all-reduce (the group's
+largest token count) and equal chunks.
 
 Ranks may hold different numbers of tokens: each rank's rows are padded to the group's largest count
 (padding rows carry expert ``-1`` and are never computed), so both collectives use equal chunks. The two
@@ -130,4 +131,6 @@ def allgather_experts(
     y = expert_mlp(all_x[token_of], gate_up_proj, down_proj, counts, act_fn, use_grouped_mm=use_grouped_mm)
     weights = all_w.reshape(-1)[order].to(y.dtype)
     partial = all_x.new_zeros(all_x.shape).index_add(0, token_of, (y * weights[:, None]).to(all_x.dtype))
-    return reduce_scatter_rows(partial, group, timer)[:tokens]
+    out = reduce_scatter_rows(partial, group, timer)
+    # a fresh tensor, not a view: FSDP2 hooks the module's output, and an in-place op on a view would drop it
+    return out[:tokens].clone() if pad else out
