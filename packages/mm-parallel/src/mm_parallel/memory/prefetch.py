@@ -113,6 +113,8 @@ class ExecutionOrderPrefetch:
         """One line: the groups in forward order with their units (once wired)."""
         if not self.wired:
             return "gathering plan: not wired yet (it is recorded during the first forward)"
+        if not self.group_order:
+            return "gathering plan: the root is the only FSDP unit"
         shown = "; ".join(f"{self._group_of[g[0]]} [{', '.join(g)}]" for g in self.group_order[:2])
         more = f"; ... ({len(self.group_order)} groups)" if len(self.group_order) > 2 else ""
         return (
