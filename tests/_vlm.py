@@ -111,3 +111,33 @@ def make_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
     path = root / "vlm.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+#: the mixture-of-experts fields the tiny Qwen3-VL-MoE adds to the text config of :func:`make_assets`
+MOE_TEXT = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
+def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
+    """:func:`make_assets` for ``qwen3_vl_moe``: the same data, processor, towers and token ids, every decoder
+    layer a mixture of 4 fused experts (top-2), router load-balancing loss on. Returns the YAML path."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    path = make_assets(root, n, seed)
+    dense = Qwen3VLConfig.from_pretrained(root / "model")
+    drop = ("model_type", "transformers_version", "architectures", "dtype")
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k not in drop}
+    vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in drop}
+    Qwen3VLMoeConfig(
+        text_config={**text, **MOE_TEXT},
+        vision_config=vision,
+        image_token_id=dense.image_token_id,
+        video_token_id=dense.video_token_id,
+        vision_start_token_id=dense.vision_start_token_id,
+        vision_end_token_id=dense.vision_end_token_id,
+        tie_word_embeddings=True,
+    ).save_pretrained(root / "model")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["model_id"] = "qwen3_vl_moe"
+    cfg["model"]["loss_cfg"]["router_aux_loss_coef"] = 0.02  # the load-balancing loss, read from text_config
+    path.write_text(yaml.safe_dump(cfg))
+    return path

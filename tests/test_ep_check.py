@@ -4,7 +4,7 @@ impossible settings (and the guide's gathering keys used wrongly) stop with erro
 from __future__ import annotations
 
 import pytest
-from _mm import mm
+from _mm import REPO, mm
 from test_ep_parity import moe_config
 
 from mm_core.check import run_check
@@ -65,3 +65,11 @@ def test_guide_gathering_and_efsdp_keys_are_checked(tmp_path):
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             _check(cfg, *overrides)
+
+
+def test_moe_example_is_a_valid_expert_parallel_recipe(capsys):
+    """examples/qwen3_moe/config.yaml passes every check of `mm train` for its 2 processes."""
+    run_check(load_config(REPO / "examples" / "qwen3_moe" / "config.yaml", []), 2)
+    out = capsys.readouterr().out
+    assert "expert par. : ep=2 x efsdp=1" in out and "ep rank 1: experts 4-7 of 8" in out
+    assert "hook groups : the FSDP units inside each of model.layers.{*}" in out

@@ -177,10 +177,13 @@ class RouterAux:
 
 
 def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
-    """The router loss of a model whose config has ``num_experts`` and ``num_experts_per_tok``, else None."""
+    """The router loss of a model whose config (or its ``text_config``) has ``num_experts`` and
+    ``num_experts_per_tok``, else None."""
     config = getattr(model, "config", None)
-    num_experts = getattr(config, "num_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
+    # a vision-language model keeps its language model's settings in its text config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_experts = getattr(text, "num_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
     coef = loss_cfg.router_aux_loss_coef
     if not num_experts or not top_k:
         if coef:
