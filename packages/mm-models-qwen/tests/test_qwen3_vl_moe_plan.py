@@ -104,3 +104,19 @@ def test_forward_with_image_returns_finite_loss():
     out.loss.backward()
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
     assert model.model.language_model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def test_router_loss_reads_the_text_config():
+    """A vision-language MoE keeps num_experts / num_experts_per_tok in its text config; a dense model has
+    no router, so a router loss coefficient is refused for it."""
+    from mm_core.config.schema import LossConfig
+    from mm_core.errors import ConfigError
+    from mm_core.parallel.experts import router_aux_for
+
+    aux = router_aux_for(ModelHub.build(ARGS), LossConfig(router_aux_loss_coef=0.02))
+    assert aux is not None and (aux.num_experts, aux.top_k, aux.coef) == (4, 2, 0.02)
+    tiny = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    tiny.update(num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    dense = ModelConfig(model_id="qwen3", from_scratch=True, config_overrides=tiny)
+    with pytest.raises(ConfigError, match="has no router"):
+        router_aux_for(ModelHub.build(dense), LossConfig(router_aux_loss_coef=0.02))

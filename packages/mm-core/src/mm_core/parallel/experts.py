@@ -181,7 +181,8 @@ def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
     ``num_experts_per_tok``, else None."""
     config = getattr(model, "config", None)
     # a vision-language model keeps its language model's settings in its text config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config() if callable(get_text_config) else config
     num_experts = getattr(text, "num_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
     coef = loss_cfg.router_aux_loss_coef
