@@ -29,6 +29,15 @@ KEY = "parallel.ep_plan.apply_modules"
 EFSDP_KEY = "parallel.ep_plan.apply_efsdp_modules"
 
 
+def _matched_names(model: nn.Module, patterns: list[str], key: str) -> set[str]:
+    """Names of the modules ``patterns`` match; a pattern error names ``key``."""
+    try:
+        matched = match_modules(model, patterns)
+    except PatternError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    return {n for hits in matched.values() for n in hits}
+
+
 def ep_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
     """The expert module patterns and where they came from (the YAML, or the model's default plan)."""
     if cfg.parallel.ep_plan.apply_modules:
@@ -49,11 +58,7 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
             f"plan (ModelPlan.expert_modules), so set {KEY} to its fused experts modules "
             "(e.g. model.layers.{*}.mlp.experts)"
         )
-    try:
-        matched = match_modules(model, patterns)
-    except PatternError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    wanted = {n for hits in matched.values() for n in hits}
+    wanted = _matched_names(model, patterns, source)
     modules = dict(model.named_modules())
     names = [n for n in modules if n in wanted]
     for name in names:
@@ -87,11 +92,7 @@ def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str], ep: i
             f"{EFSDP_KEY}: got {patterns}, but expert parallelism is off (parallel.expert_parallel_size: "
             "1), so there is no expert-data-parallel mesh; remove the key or set expert_parallel_size"
         )
-    try:
-        matched = match_modules(model, patterns)
-    except PatternError as exc:
-        raise ConfigError(f"{EFSDP_KEY}: {exc}") from None
-    wanted = {n for hits in matched.values() for n in hits}
+    wanted = _matched_names(model, patterns, EFSDP_KEY)
     outside = sorted(wanted - set(names))
     if outside:
         raise ConfigError(
