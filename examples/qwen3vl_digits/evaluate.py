@@ -35,9 +35,10 @@ def accuracy(model: torch.nn.Module, build_dir: Path, limit: int | None = None) 
         turns = conversation(rec, f"test.json[{i}]")
         answer = turns[-1]["content"]
         paths = image_paths(rec, "", str(build_dir / "data"))
-        pixels = proc.images([load_image(p, target_pixels=proc.target_pixels) for p in paths])
-        prompt_ids, _ = proc.encode(
-            turns[:-1] + [{"role": "assistant", "content": ""}], pixels["image_grid_thw"]
+        loaded = [load_image(p, target_pixels=proc.target_pixels) for p in paths]
+        pixels = proc.images(loaded)
+        prompt_ids, _ = proc.encode_sizes(
+            turns[:-1] + [{"role": "assistant", "content": ""}], [im.size for im in loaded]
         )
         # drop the empty reply's "<|im_end|>\n": the prompt ends with "<|im_start|>assistant\n"
         ids = prompt_ids[: len(prompt_ids) - 2]

@@ -236,8 +236,9 @@ def _preflight(root: Path, images: list[str], on_error: str = "raise") -> list[s
 
 def test_preflight_encodes_the_first_record(root: Path) -> None:
     head, first = _preflight(root, ["img/big.jpg", "img/absent.png"])  # only the first record is read
-    assert head.startswith(f"1 file(s), 0.0 MiB ({root / 'd.json'}); processor {root / 'proc'} ("), head
-    assert "at most 6272 pixels, sources over 89,478,485 refused" in head, head
+    expected_head = f"1 file(s), 0.0 MiB ({root / 'd.json'}); processor {root / 'proc'}: qwen-vl images ("
+    assert head.startswith(expected_head), head
+    assert "at most 6,272 pixels), sources over 89,478,485 refused" in head, head
     expected = len(dataset(root, ["img/big.jpg"])[0]["input_ids"])
     assert first == f"first record: {expected:,} tokens, 1 image(s) (cutoff_len 4096)"
 

@@ -121,7 +121,7 @@ def reference(ds: VLMSFTDataset, path: Path) -> list[tuple[str, dict[str, Any]]]
         target = ds.processor.target_pixels
         loaded = [load_image(p, target_pixels=target) for p in images]
         pixels = ds.processor.images(loaded) if images else {}
-        ids, labels = ds.processor.encode(messages, pixels.get("image_grid_thw"))
+        ids, labels = ds.processor.encode_sizes(messages, [im.size for im in loaded])
         out.append((where, {"input_ids": ids, "labels": labels, **pixels}))
     return out
 

@@ -1,4 +1,5 @@
-"""``qwen3vl``: batch Qwen-VL samples with any number of images (of any sizes) per sample."""
+"""``vlm`` (alias ``qwen3vl``): batch vision-language samples with any number of images (of any sizes) per
+sample, for every image format of mm-data-vlm."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ COLLATE_FIELDS = {
     "pad_to_multiple_of": optional_positive_int(None),
 }
 
+#: per-token fields: right-padded to the batch's width with these values (labels: see ``ignore_pad_token``)
+TOKEN_FIELDS = ("input_ids", "labels", "mm_token_type_ids")
+#: per-sample bookkeeping, never pixel inputs
+META_FIELDS = ("sample_id", "skipped_samples")
 
-class Qwen3VLCollator:
-    """Right-pads ``input_ids`` (pad id), ``labels`` (-100), ``mm_token_type_ids`` (0) to the longest sample
-    (rounded up to ``pad_to_multiple_of``), adds ``attention_mask``, and concatenates every sample's image
-    patches into ``pixel_values`` [all patches, dim] with ``image_grid_thw`` [all images, 3] in sample order
-    (the order the model's image tokens appear in the flattened batch). A batch without images has neither
-    key. ``sample_id`` is a tensor [B]; ``skipped_samples`` (records skipped by ``on_error: skip``) an int."""
+
+class VLMCollator:
+    """Right-pads ``input_ids`` (pad id), ``labels`` (-100) and ``mm_token_type_ids`` (0, when the samples
+    carry it) to the longest sample (rounded up to ``pad_to_multiple_of``), adds ``attention_mask``, and
+    concatenates every sample's pixel inputs along dim 0 in sample order (the order the image tokens appear
+    in the flattened batch): Qwen-VL's ``pixel_values`` [patches, dim] and ``image_grid_thw`` [images, 3],
+    Kimi K2.5's [patches, 3, P, P], Step 3.7's global views and crops, ... A batch without images has no
+    pixel key. ``sample_id`` is a tensor [B]; ``skipped_samples`` (records skipped by ``on_error: skip``) an
+    int."""
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
         params = read_params(collate_param, COLLATE_FIELDS, COLLATE)
@@ -41,21 +49,23 @@ class Qwen3VLCollator:
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         b = len(features)
-        batch: dict[str, Any] = {
-            "input_ids": torch.full((b, width), self.pad_token_id, dtype=torch.long),
-            "labels": torch.full((b, width), self.label_pad_id, dtype=torch.long),
-            "attention_mask": torch.zeros((b, width), dtype=torch.long),
-            "mm_token_type_ids": torch.zeros((b, width), dtype=torch.long),
-        }
+        pads = {"input_ids": self.pad_token_id, "labels": self.label_pad_id, "mm_token_type_ids": 0}
+        token_fields = [k for k in TOKEN_FIELDS if k in features[0]]
+        batch: dict[str, Any] = {k: torch.full((b, width), pads[k], dtype=torch.long) for k in token_fields}
+        batch["attention_mask"] = torch.zeros((b, width), dtype=torch.long)
         for row, (f, n) in enumerate(zip(features, lengths)):
-            batch["input_ids"][row, :n] = f["input_ids"]
-            batch["labels"][row, :n] = f["labels"]
+            for k in token_fields:
+                batch[k][row, :n] = f[k]
             batch["attention_mask"][row, :n] = 1
-            batch["mm_token_type_ids"][row, :n] = f["mm_token_type_ids"]
-        with_images = [f for f in features if "pixel_values" in f]
-        if with_images:
-            batch["pixel_values"] = torch.cat([f["pixel_values"] for f in with_images])
-            batch["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in with_images])
+        skip = (*TOKEN_FIELDS, *META_FIELDS)
+        pixel_keys = sorted({k for f in features for k in f if k not in skip})
+        for key in pixel_keys:
+            parts = [f[key] for f in features if key in f]
+            batch[key] = torch.cat(parts)
         batch["sample_id"] = torch.tensor([int(f.get("sample_id", -1)) for f in features], dtype=torch.long)
         batch["skipped_samples"] = sum(int(f.get("skipped_samples", 0)) for f in features)
         return batch
+
+
+#: the name the Qwen-VL recipes use
+Qwen3VLCollator = VLMCollator

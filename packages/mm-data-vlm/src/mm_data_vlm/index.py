@@ -21,9 +21,9 @@ order; blank lines are not records):
 
 A record's tokens are counted without decoding a pixel: each image's size is read from its header as
 :func:`~mm_data_vlm.images.load_image` will hand it to the processor
-(:func:`~mm_data_vlm.images.loaded_size`), turned into placeholder tokens by the image processor's own
-resize rule (:meth:`~mm_data_vlm.encode.VisionProcessor.image_tokens`), and the conversation is encoded with
-those counts through :meth:`~mm_data_vlm.encode.VisionProcessor.encode_counts`, the path training takes.
+(:func:`~mm_data_vlm.images.loaded_size`), and the conversation is encoded with those sizes through
+:meth:`~mm_data_vlm.encode.VisionProcessor.encode_sizes`, the path training takes (the family's image format
+turns a size into placeholder tokens by the image processor's own resize rule).
 Images are not stamped in the cache manifest (there can be millions): training reads them again and checks
 every sample against its prepared length.
 
@@ -119,7 +119,7 @@ def count_record(text: str, settings: IndexSettings, processor: VisionProcessor)
         if not image.is_file():
             return MISSING_IMAGE, 0, missing_image(image)
     try:
-        counts = []
+        sizes = []
         for image in images:
             # Pillow warns (or raises, under -W error) of a possible bomb when it opens a large header; the
             # prepared result must not depend on the warning filters of whoever prepared it
@@ -128,8 +128,8 @@ def count_record(text: str, settings: IndexSettings, processor: VisionProcessor)
                 size = loaded_size(
                     image, max_source_pixels=settings.max_source_pixels, target_pixels=processor.target_pixels
                 )
-            counts.append(processor.image_tokens(*size))
-        ids, _ = processor.encode_counts(messages, counts)
+            sizes.append(size)
+        ids, _ = processor.encode_sizes(messages, sizes)
     except (OSError, EncodeError) as e:
         return REFUSED, 0, str(e)
     return OK, len(ids), ""

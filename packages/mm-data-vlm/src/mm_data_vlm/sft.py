@@ -208,7 +208,7 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             sample = self._sample(*first, prepared=None)
             line = (
                 f"first record: {len(sample['input_ids']):,} tokens, "
-                f"{len(sample.get('image_grid_thw', ())):,} image(s) (cutoff_len {self.cutoff_len})"
+                f"{len(first[2]):,} image(s) (cutoff_len {self.cutoff_len})"
             )
         except DataError as e:
             if self.on_error != "skip":
@@ -219,8 +219,8 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         limit = f"{self.max_source_pixels:,}" if self.max_source_pixels else "no limit"
         return [
             f"{len(self.files)} file(s), {size / 2**20:.1f} MiB ({self.files[0]}{more}); processor "
-            f"{self.processor.tokenizer.name_or_path} (images resized to at most "
-            f"{self.processor.target_pixels or '?'} pixels, sources over {limit} refused)",
+            f"{self.processor.tokenizer.name_or_path}: {self.processor.format.describe()}, "
+            f"sources over {limit} refused",
             line,
         ]
 
@@ -271,26 +271,32 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             loaded = [
                 load_image(p, max_source_pixels=self.max_source_pixels, target_pixels=target) for p in images
             ]
+            sizes = [im.size for im in loaded]
             pixels = self.processor.images(loaded) if images else {}
-            ids, labels = self.processor.encode(messages, pixels.get("image_grid_thw"))
+            ids, labels = self.processor.encode_sizes(messages, sizes)
         except (OSError, EncodeError) as e:
             raise DataError(f"{where}: {e}") from None
+        rows = self.processor.format.feature_rows(pixels) if images else 0
+        if self.processor.image_token_count(ids) != rows:  # a defect of the family's image format, never data
+            raise DataError(
+                f"{where}: {self.processor.image_token_count(ids)} image tokens but the vision tower gets "
+                f"{rows} rows for images of sizes {sizes} (the {self.processor.format.name} format of "
+                "mm-data-vlm)"
+            )
         if prepared is not None and len(ids) != prepared:
-            grids = pixels["image_grid_thw"].tolist() if images else []
             raise DataError(
                 f"{where}: {len(ids)} tokens now but {prepared} when it was prepared (into "
                 f"{self.prepared.path}): an image changed since preparation (its images "
-                f"{', '.join(str(p) for p in images) or 'none'} now give grids {grids}; images are read at "
-                f"training time and only checked against the prepared length); {PREPARE_AGAIN}"
+                f"{', '.join(str(p) for p in images) or 'none'} now reach the processor at sizes {sizes}; "
+                "images are read at training time and only checked against the prepared length); "
+                + PREPARE_AGAIN
             )
         if prepared is None and len(ids) > self.cutoff_len:
             raise DataError(self._too_long(where, len(ids)))
         input_ids = torch.tensor(ids, dtype=torch.long)
-        sample: dict[str, Any] = {
-            "input_ids": input_ids,
-            "labels": torch.tensor(labels, dtype=torch.long),
-            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
-        }
+        sample: dict[str, Any] = {"input_ids": input_ids, "labels": torch.tensor(labels, dtype=torch.long)}
+        if self.processor.format.token_type_ids:
+            sample["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
         sample.update(pixels)
         return sample
 
