@@ -80,7 +80,11 @@ def test_unaligned_sizes_fall_back_to_the_loop():
     x, w = torch.randn(5, 6), torch.randn(3, 10, 6)
     assert not grouped_mm_supported(x, w)
     y = expert_mlp(
-        torch.randn(5, 6), torch.randn(3, 10, 6), torch.randn(3, 6, 5), torch.tensor([2, 0, 3]), F.silu
+        torch.randn(5, 6),
+        torch.randn(3, 10, 6),
+        torch.randn(3, 6, 5),
+        torch.tensor([2, 0, 3]),
+        lambda gate, up: F.silu(gate) * up,
     )
     assert y.shape == (5, 6)
 

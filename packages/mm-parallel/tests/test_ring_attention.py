@@ -13,14 +13,21 @@ from mm_parallel.context.layout import allowed
 
 
 def _check_against_reference(
-    ring: int, ulysses: int, heads: int, kv_heads: int, dtype: torch.dtype, tol: float, tile: int
+    ring: int,
+    ulysses: int,
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    tol: float,
+    tile: int,
+    v_dim: int = 8,
 ) -> None:
     torch.manual_seed(0)
     b, s, d = 2, 48, 8
     q = torch.randn(b, heads, s, d, dtype=dtype)
     k = torch.randn(b, kv_heads, s, d, dtype=dtype)
-    v = torch.randn(b, kv_heads, s, d, dtype=dtype)
-    w = torch.randn(b, s, heads, d, dtype=dtype)
+    v = torch.randn(b, kv_heads, s, v_dim, dtype=dtype)
+    w = torch.randn(b, s, heads, v_dim, dtype=dtype)
     segments = packed_segments(b, s, pad=5, seed=1)
     scale = d**-0.5
 

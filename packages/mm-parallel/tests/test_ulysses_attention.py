@@ -31,6 +31,16 @@ def test_ulysses_matches_full_attention(ring, ulysses, heads, kv_heads):
     run_ranks(_worker, ring * ulysses, ring, ulysses, heads, kv_heads, timeout=60)
 
 
+def _latent_worker(rank: int, world: int, ring: int, ulysses: int, v_dim: int) -> None:
+    _check_against_reference(ring, ulysses, 4, 2, torch.float64, 1e-10, tile=5, v_dim=v_dim)
+
+
+@pytest.mark.parametrize(("ring", "ulysses", "v_dim"), [(1, 2, 6), (2, 1, 12)])
+def test_values_of_another_width_than_queries(ring, ulysses, v_dim):
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2.5): values narrower or wider than queries/keys."""
+    run_ranks(_latent_worker, ring * ulysses, ring, ulysses, v_dim, timeout=60)
+
+
 def _roundtrip_worker(rank: int, world: int) -> None:
     torch.manual_seed(rank)
     x = torch.randn(2, 4, 3, 5, requires_grad=True)

@@ -21,13 +21,22 @@ def context_parallel_attention(
 
     ``q``: ``[batch, heads, local_len, dim]``; ``k``, ``v``: ``[batch, kv_heads, local_len, dim]`` with
     ``heads % kv_heads == 0`` (grouped-query attention), the local tokens being ``layout.local_index()``.
-    Returns ``[batch, local_len, heads, dim]`` (the layout transformers' attention functions return).
-    Causal within segments, as described by ``layout``."""
+    Returns ``[batch, local_len, heads, v_dim]`` (the layout transformers' attention functions return).
+    Causal within segments, as described by ``layout``.
+
+    The values may be narrower or wider than the queries and keys (multi-head latent attention: DeepSeek-V3
+    and Kimi K2.5 attend with 192-wide queries and keys over 128-wide values): the narrower side is padded
+    with zeros, which changes no score (zero columns of ``q``/``k``) and no output (zero columns of ``v`` are
+    cut off again), so the kernels below see one width."""
     b, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, v_dim = k.shape[1], v.shape[-1]
     if heads % kv_heads:
         raise ValueError(f"query heads {heads} must be a multiple of key/value heads {kv_heads}")
     scale = dim**-0.5 if scale is None else scale
+    if v_dim != dim:
+        width = max(dim, v_dim)
+        q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        dim = width
     size = layout.ulysses_size
     if size > 1:
         if layout.ulysses_group is None:
@@ -46,4 +55,4 @@ def context_parallel_attention(
     if size > 1:
         assert layout.ulysses_group is not None  # checked above
         out = heads_to_seq(out, layout.ulysses_group, size)
-    return out.transpose(1, 2).contiguous()
+    return out[..., :v_dim].transpose(1, 2).contiguous()

@@ -96,7 +96,7 @@ def allgather_experts(
     top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     first_expert: int,
     group: dist.ProcessGroup,
@@ -105,7 +105,8 @@ def allgather_experts(
 ) -> torch.Tensor:
     """The fused-experts call ``[tokens, hidden] -> [tokens, hidden]`` with this rank's local experts
     ``first_expert .. first_expert + gate_up_proj.shape[0] - 1`` (plain local tensors) and the all-gather
-    dispatcher over ``group``."""
+    dispatcher over ``group``; ``glu(gate, up)`` is the experts' gated unit (see
+    :func:`~mm_parallel.moe.grouped.expert_mlp`)."""
     tokens, k = top_k_index.shape
     n_local = gate_up_proj.shape[0]
     # the group's largest token count (one small all-reduce; ranks differ with uneven micro-batches)
@@ -128,7 +129,7 @@ def allgather_experts(
     order = mine[torch.argsort(flat[mine], stable=True)]
     token_of = order // k
     counts = torch.bincount(flat[order], minlength=n_local)
-    y = expert_mlp(all_x[token_of], gate_up_proj, down_proj, counts, act_fn, use_grouped_mm=use_grouped_mm)
+    y = expert_mlp(all_x[token_of], gate_up_proj, down_proj, counts, glu, use_grouped_mm=use_grouped_mm)
     weights = all_w.reshape(-1)[order].to(y.dtype)
     partial = all_x.new_zeros(all_x.shape).index_add(0, token_of, (y * weights[:, None]).to(all_x.dtype))
     out = reduce_scatter_rows(partial, group, timer)

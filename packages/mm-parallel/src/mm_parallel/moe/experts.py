@@ -44,14 +44,15 @@ class ExpertParallelExperts(nn.Module):
         self,
         gate_up_proj: torch.Tensor,
         down_proj: torch.Tensor,
-        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
         ep_mesh: DeviceMesh | None = None,
         *,
         use_grouped_mm: bool | None = None,
         dispatcher: str = "alltoall",
     ) -> None:
         """``gate_up_proj``/``down_proj`` are the FULL fused weights (any device, meta included); this rank
-        keeps its slice of experts. ``dispatcher`` is one of :data:`DISPATCHERS`."""
+        keeps its slice of experts. ``act_fn`` is the gate's activation of the default :meth:`glu` (None only
+        for a subclass whose :meth:`glu` needs none). ``dispatcher`` is one of :data:`DISPATCHERS`."""
         super().__init__()
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher: got {dispatcher!r}; expected one of {', '.join(DISPATCHERS)}")
@@ -85,8 +86,10 @@ class ExpertParallelExperts(nn.Module):
         use_grouped_mm: bool | None = None,
         dispatcher: str = "alltoall",
     ) -> ExpertParallelExperts:
-        """Adapt a module with ``gate_up_proj``, ``down_proj`` and ``act_fn`` (transformers' experts)."""
-        missing = [a for a in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, a)]
+        """Adapt a module with ``gate_up_proj``, ``down_proj`` and ``act_fn`` (transformers' experts; a
+        subclass with its own :meth:`glu` needs no ``act_fn``), then :meth:`adopt` its other settings."""
+        needed = ("gate_up_proj", "down_proj") + (("act_fn",) if cls.glu is ExpertParallelExperts.glu else ())
+        missing = [a for a in needed if not hasattr(experts, a)]
         if missing:
             raise TypeError(
                 f"{type(experts).__name__} has no {', '.join(missing)}; expert parallelism needs fused 3-D "
@@ -95,11 +98,24 @@ class ExpertParallelExperts(nn.Module):
         # nn.Module.__getattr__ is typed Tensor | Module; the attributes exist (checked above)
         gate_up = cast(torch.Tensor, experts.gate_up_proj)
         down = cast(torch.Tensor, experts.down_proj)
-        act_fn = cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn)
+        act_fn = cast("Callable[[torch.Tensor], torch.Tensor] | None", getattr(experts, "act_fn", None))
         adapter = cls(gate_up, down, act_fn, ep_mesh, use_grouped_mm=use_grouped_mm, dispatcher=dispatcher)
+        adapter.adopt(experts)
         adapter.gate_up_proj.requires_grad_(gate_up.requires_grad)
         adapter.down_proj.requires_grad_(down.requires_grad)
         return adapter
+
+    def adopt(self, experts: nn.Module) -> None:
+        """Take the settings of the experts module this adapter replaces, besides its weights and
+        ``act_fn`` (called by :meth:`from_fused`). None here; a subclass reads e.g. a clamp bound."""
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated unit, ``down(glu(gate(x), up(x)))``: ``act_fn(gate) * up`` (SwiGLU and its
+        kin). A model whose experts gate differently (a clamp, a shifted up half) overrides this method and
+        keeps everything else: routing, both dispatchers, grouped products, sharding."""
+        if self.act_fn is None:
+            raise TypeError(f"{type(self).__name__} has no act_fn for the default glu(gate, up)")
+        return self.act_fn(gate) * up
 
     def _split(self, full: torch.Tensor) -> torch.Tensor:
         if self.ep_mesh is None:
@@ -140,7 +156,7 @@ class ExpertParallelExperts(nn.Module):
                 top_k_weights,
                 _local(self.gate_up_proj),
                 _local(self.down_proj),
-                self.act_fn,
+                self.glu,
                 first_expert=self.local_expert_ids.start,
                 group=self.ep_mesh.get_group(),
                 timer=self.comm_timer,
@@ -154,7 +170,7 @@ class ExpertParallelExperts(nn.Module):
         x = hidden_states[token_of]
         w1, w2 = _local(self.gate_up_proj), _local(self.down_proj)
         if self.ep_size == 1:
-            y = expert_mlp(x, w1, w2, counts, self.act_fn, use_grouped_mm=self.use_grouped_mm)
+            y = expert_mlp(x, w1, w2, counts, self.glu, use_grouped_mm=self.use_grouped_mm)
         else:
             y = self._dispatch_compute_combine(x, counts, w1, w2)
         weights = top_k_weights.reshape(-1)[order].to(y.dtype)
@@ -178,7 +194,7 @@ class ExpertParallelExperts(nn.Module):
             torch.arange(n_local, device=x.device).repeat(ep), recv.reshape(-1)
         )
         perm = torch.argsort(expert_of_row, stable=True)
-        y = expert_mlp(received[perm], w1, w2, recv.sum(0), self.act_fn, use_grouped_mm=self.use_grouped_mm)
+        y = expert_mlp(received[perm], w1, w2, recv.sum(0), self.glu, use_grouped_mm=self.use_grouped_mm)
         y = y[torch.argsort(perm)]
         return all_to_all(y, in_splits, out_splits, group, self.comm_timer)
 

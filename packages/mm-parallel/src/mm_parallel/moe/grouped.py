@@ -50,13 +50,14 @@ def expert_mlp(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     counts: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     use_grouped_mm: bool | None = None,
 ) -> torch.Tensor:
-    """The gated expert MLP ``down(act(gate(x)) * up(x))`` for rows grouped by expert, with fused weights
-    ``gate_up_proj [experts, 2 * inter, hidden]`` and ``down_proj [experts, hidden, inter]`` (transformers'
-    layout)."""
+    """The gated expert MLP ``down(glu(gate(x), up(x)))`` for rows grouped by expert, with fused weights
+    ``gate_up_proj [experts, 2 * inter, hidden]`` (gate rows first) and ``down_proj [experts, hidden,
+    inter]`` (transformers' layout). ``glu`` is the gated unit: ``act(gate) * up`` for SwiGLU
+    (:meth:`ExpertParallelExperts.glu <mm_parallel.moe.ExpertParallelExperts.glu>`), or a clamped one."""
     gate_up = grouped_linear(x, gate_up_proj, counts, use_grouped_mm=use_grouped_mm)
     gate, up = gate_up.chunk(2, dim=-1)
-    return grouped_linear(act_fn(gate) * up, down_proj, counts, use_grouped_mm=use_grouped_mm)
+    return grouped_linear(glu(gate, up), down_proj, counts, use_grouped_mm=use_grouped_mm)
