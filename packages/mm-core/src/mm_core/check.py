@@ -1,12 +1,22 @@
-"""``mm check``: every validation of ``mm train`` without training, and the resolved plan."""
+"""``mm check``: every validation of ``mm train`` without training, and the resolved plan.
+
+Parameters that train nothing are listed: the frozen ones with the reason (``model.freeze`` or the model's
+own policy), and, with ``mm check --grad-probe``, the trainable ones that one real micro-batch gives no
+gradient (see :mod:`mm_core.models.nograd`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
+from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub
+from mm_core.models.nograd import describe_frozen, describe_probe, probe_gradients
 from mm_core.models.plan import plan_of
 from mm_core.optim.factory import describe_optimizer
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
@@ -50,9 +60,67 @@ def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes
     return names if sizes.ep > 1 else []
 
 
-def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
-    """Validate ``cfg`` for ``world_size`` ranks; print the plan unless ``quiet``. Raises MMError."""
-    out = (lambda *a: None) if quiet else print
+#: what ``mm check`` prints about gradients when ``--grad-probe`` is not given
+NOT_PROBED = (
+    "gradients   : not probed; mm check --grad-probe runs one micro-batch forward and backward on CPU "
+    "(the model at its configured size, randomly initialised) and lists trainable parameters that get no "
+    "gradient"
+)
+
+
+def _first_micro_batch(cfg: MMConfig) -> dict[str, Any]:
+    """The first micro-batch one data-parallel rank would train on (the configured dataset, collator and
+    sampler; loader workers off), on the CPU."""
+    from mm_core.data import build_collator, build_dataloader, build_dataset, move_to_device
+
+    data = cfg.data.model_copy(deep=True)
+    data.dataloader_param.num_workers = 0
+    dataset = build_dataset(data, cfg.training.seed)
+    loader = build_dataloader(
+        dataset,
+        build_collator(data, dataset),
+        data,
+        micro_batch_size=cfg.training.micro_batch_size,
+        dp_size=1,
+        dp_rank=0,
+        seed=cfg.training.seed,
+    )
+    batch = next(iter(loader), None)
+    if batch is None:
+        raise ConfigError("mm check --grad-probe: the dataset yields no micro-batch to probe with")
+    batch.pop("sample_id", None)
+    batch.pop("skipped_samples", None)
+    return move_to_device(batch, torch.device("cpu"))
+
+
+def grad_probe(cfg: MMConfig) -> list[str]:
+    """``mm check --grad-probe``: build the model on the CPU (random initialisation: which parameters get a
+    gradient does not depend on their values), apply ``model.freeze`` (and LoRA), run one micro-batch forward
+    and backward with the trainer's loss, and report the trainable parameters left without a gradient."""
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}))
+    apply_freeze(model, cfg.model.freeze)
+    if cfg.training.lora.enable:
+        from mm_core.lora import apply_lora
+
+        apply_lora(model, cfg.training.lora)
+    batch = _first_micro_batch(cfg)
+    ids = batch.get("input_ids")
+    size = (
+        f"{ids.shape[0]} x {ids.shape[1]} tokens" if isinstance(ids, torch.Tensor) and ids.dim() == 2 else ""
+    )
+    groups, trainable = probe_gradients(model, batch, cfg.model.loss_cfg)
+    how = (
+        f"probed with the first micro-batch ({size + ', ' if size else ''}CPU, fp32, random init, 1 process)"
+    )
+    return describe_probe(groups, trainable, how)
+
+
+def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False, probe_grads: bool = False) -> None:
+    """Validate ``cfg`` for ``world_size`` ranks; print the plan unless ``quiet``. Raises MMError.
+
+    ``probe_grads`` (``mm check --grad-probe``) also runs :func:`grad_probe` (a real forward and
+    backward on the CPU: as costly as the model is large)."""
+    out: Callable[..., None] = (lambda *a: None) if quiet else print
     check_supported(cfg)
     import_plugins(cfg.training.plugin)
     sizes = resolve_sizes(cfg.parallel, world_size)
@@ -85,9 +153,10 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False) -> None:
     out(f"model       : {cfg.model.model_id} -> {type(model).__name__}")
     total, trainable = _numel(model), _numel(model, trainable_only=True)
     out(f"parameters  : {total:,} total, {trainable:,} trainable, {total - trainable:,} frozen")
-    if frozen:
-        more = " ..." if len(frozen) > 4 else ""
-        out(f"frozen      : {len(frozen)} modules ({', '.join(frozen[:4])}{more})")
+    for line in describe_frozen(model, frozen):
+        out(line)
+    for line in grad_probe(cfg) if probe_grads else [NOT_PROBED]:
+        out(line)
     out(f"model plan  : {type(model).__name__} (defaults for plans the YAML leaves out)")
     for line in plan_of(model).describe():
         out(line)

@@ -37,7 +37,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from mm_core.check import run_check
         from mm_core.config import load_config
 
-        run_check(load_config(args.config, args.overrides), args.world_size)
+        run_check(load_config(args.config, args.overrides), args.world_size, probe_grads=args.grad_probe)
 
     return guarded(go)
 
@@ -126,6 +126,12 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=1, help="world size to check the layout for")
+    p.add_argument(
+        "--grad-probe",
+        action="store_true",
+        help="also build the model on CPU, run one micro-batch forward and backward and list the trainable "
+        "parameters that get no gradient (costs what the model costs; shrink it with model.config_overrides)",
+    )
 
     p = add("data", "prepare a config's dataset ahead of training (tokenise once), or verify it", _cmd_data)
     p.add_argument("action", choices=["prepare", "verify"])

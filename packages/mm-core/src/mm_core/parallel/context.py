@@ -140,8 +140,15 @@ def shard_module_inputs(
 
     Tensors shaped ``[batch, seq, ...]`` are cut along dim 1, ``[k, batch, seq]`` (multi-axis rotary
     position ids) along dim 2 and ``[seq]`` (cache positions) along dim 0; ``packed`` inputs (one row per
-    True of the mask input it names, a tensor or a list of them) keep the rows of this rank's tokens."""
+    True of the mask input it names, a tensor or a list of them) keep the rows of this rank's tokens.
+
+    Without ``position_ids`` (and without a cache) the whole sequence's positions ``0..seq-1`` are added
+    first: a language model that computes its own from the length of its input (DeepSeek-V3 in Kimi K2.5,
+    Step 3.7) would otherwise number each rank's shard from 0."""
     b, n = layout.segments.shape
+    if kwargs.get("position_ids") is None and kwargs.get("past_key_values") is None:
+        device = layout.segments.device
+        kwargs = {**kwargs, "position_ids": torch.arange(n, device=device).expand(b, n)}
     out: dict[str, Any] = {}
     for name, mask_name in packed.items():
         value, mask = kwargs.get(name), kwargs.get(mask_name)

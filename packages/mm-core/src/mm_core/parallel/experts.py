@@ -188,6 +188,12 @@ def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
     top_k = getattr(text, "num_experts_per_tok", None)
     coef = loss_cfg.router_aux_loss_coef
     if not num_experts or not top_k:
+        if coef and getattr(text, "n_routed_experts", None):
+            raise ConfigError(
+                f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} routes DeepSeek-V3 "
+                "style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: auxiliary-loss-"
+                "free balancing), which mm's softmax load-balancing loss does not describe; set it to 0"
+            )
         if coef:
             raise ConfigError(
                 f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} has no router "
