@@ -14,8 +14,23 @@ import textwrap
 
 import pytest
 
-ORDER = ["mm_parallel", "mm_core", "mm_models_qwen", "mm_data_text", "mm_data_vlm"]
-PLUGINS = {"mm_models_qwen", "mm_data_text", "mm_data_vlm"}
+ORDER = [
+    "mm_parallel",
+    "mm_core",
+    "mm_models_qwen",
+    "mm_models_kimi",
+    "mm_models_step",
+    "mm_data_text",
+    "mm_data_vlm",
+]
+PLUGINS = {
+    "mm_models_qwen",
+    "mm_models_kimi",
+    "mm_models_minimax",
+    "mm_models_step",
+    "mm_data_text",
+    "mm_data_vlm",
+}
 
 
 def forbidden_for(package: str) -> set[str]:

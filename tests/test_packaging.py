@@ -14,6 +14,9 @@ PACKAGES = {
     "mm-parallel": ("mm_parallel", set()),
     "mm-core": ("mm_core", {"mm-parallel"}),
     "mm-models-qwen": ("mm_models_qwen", {"mm-core"}),
+    "mm-models-kimi": ("mm_models_kimi", {"mm-core"}),
+    "mm-models-minimax": ("mm_models_minimax", {"mm-core"}),
+    "mm-models-step": ("mm_models_step", {"mm-core"}),
     "mm-data-text": ("mm_data_text", {"mm-core"}),
 }
 

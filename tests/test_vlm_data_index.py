@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import yaml
 from _vlm import make_assets
-from mm_data_vlm.sft import VLMSFTDataset
 
 from mm_core.config.schema import DataConfig
 from mm_core.data import EpochIterator, build_collator, build_dataloader
+from mm_data_vlm.sft import VLMSFTDataset
 
 
 def test_token_budget_batches_of_images_hold_their_prepared_lengths(tmp_path):

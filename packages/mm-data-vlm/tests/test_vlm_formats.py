@@ -1,6 +1,7 @@
-"""The image-format table: a processor folder picks its family's format by ``image_processor_type``, an unknown
-type is a ConfigError naming the key and the known types, a tokenizer without the format's tokens is refused;
-the collator batches any family's pixel inputs (concatenated in sample order) and per-token fields."""
+"""The image-format table: a processor folder picks its family's format by ``image_processor_type``, an
+unknown type is a ConfigError naming the key and the known types, a tokenizer without the format's tokens
+is refused; the collator batches any family's pixel inputs (concatenated in sample order) and per-token
+fields."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import json
 
 import pytest
 import torch
+
+from mm_core.data.bpe import write_bytelevel_bpe
+from mm_core.errors import ConfigError
 from mm_data_vlm.collators import VLMCollator
 from mm_data_vlm.encode import VisionProcessor
 from mm_data_vlm.formats import FORMATS, format_for
 from mm_data_vlm.formats.qwen import QwenVLFormat
 from mm_data_vlm.processor_build import build_qwen_vl_processor
-
-from mm_core.data.bpe import write_bytelevel_bpe
-from mm_core.errors import ConfigError
 
 KEY = "data.dataset_param.preprocess_parameters"
 
@@ -39,7 +40,9 @@ def test_tokenizer_without_the_formats_tokens_is_refused(tmp_path):
     build_qwen_vl_processor(["a b c"] * 10, tmp_path)
     config = (tmp_path / "preprocessor_config.json").read_text()
     plain = tmp_path / "plain"
-    write_bytelevel_bpe(["a b c"] * 10, 300, plain, special_tokens=("<|endoftext|>",), chat_template="{{ '' }}")
+    write_bytelevel_bpe(
+        ["a b c"] * 10, 300, plain, special_tokens=("<|endoftext|>",), chat_template="{{ '' }}"
+    )
     (plain / "preprocessor_config.json").write_text(config)
     with pytest.raises(ConfigError, match=r"lacks the qwen-vl image tokens <\|vision_start\|>"):
         VisionProcessor.load(str(plain), None, None, KEY)

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from mm_data_vlm.images import DEFAULT_MAX_SOURCE_PIXELS, load_image, reduce_factor
-from mm_data_vlm.processor_build import build_qwen_vl_processor
-from mm_data_vlm.sft import VLMSFTDataset
 from PIL import Image
 
 from mm_core.errors import ConfigError, DataError
+from mm_data_vlm.images import DEFAULT_MAX_SOURCE_PIXELS, load_image, reduce_factor
+from mm_data_vlm.processor_build import build_qwen_vl_processor
+from mm_data_vlm.sft import VLMSFTDataset
 
 TARGET = 56 * 112  # the test processor's max_pixels
 

@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
+
+from mm_core.errors import DataError
 from mm_data_vlm import index as index_module
 from mm_data_vlm import sft as sft_module
 from mm_data_vlm.images import load_image, loaded_size
 from mm_data_vlm.processor_build import build_qwen_vl_processor
 from mm_data_vlm.records import iter_records, read_record
 from mm_data_vlm.sft import VLMSFTDataset
-from PIL import Image
-
-from mm_core.errors import DataError
 
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112  # the sizes below give grids from 2x2 to 8x8 patches
 

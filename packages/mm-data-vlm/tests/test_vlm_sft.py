@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from mm_data_vlm.collators import Qwen3VLCollator
-from mm_data_vlm.processor_build import build_qwen_vl_processor
-from mm_data_vlm.sft import VLMSFTDataset
 from PIL import Image
 
 from mm_core.errors import DataError
+from mm_data_vlm.collators import Qwen3VLCollator
+from mm_data_vlm.processor_build import build_qwen_vl_processor
+from mm_data_vlm.sft import VLMSFTDataset
 
 
 @pytest.fixture(scope="module")

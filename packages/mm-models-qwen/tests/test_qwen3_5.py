@@ -54,3 +54,6 @@ def test_tiny_vl_model_builds_plans_match_and_trains_text_only(model_id):
     out.logits.float().logsumexp(-1).mean().backward()
     # the idle vision tower contributes a (zero) gradient, so FSDP's vision units ran on this rank too
     assert model.model.visual.blocks[0].attn.qkv.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # the model's own loss (loss_type raw)
+    assert model.model.visual.blocks[0].attn.qkv.weight.grad is not None

@@ -1,4 +1,5 @@
-"""Create a small Qwen-VL style processor folder (tokenizer + PIL image processor) without the network.
+"""Create a small processor folder (tokenizer + image processor configuration) without the network, for any
+family mm-data-vlm has an image format for (Qwen-VL's is :func:`build_qwen_vl_processor`).
 
 Used by the digits example and the tests. The folder loads with :func:`mm_data_vlm.processor.load_processor`
 (and with ``transformers.AutoProcessor.from_pretrained`` where torchvision is installed).
@@ -7,8 +8,9 @@ Used by the digits example and the tests. The folder loads with :func:`mm_data_v
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from mm_core.data.bpe import write_bytelevel_bpe
 
@@ -19,7 +21,6 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
-SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # ChatML, as Qwen uses it; no default system prompt.
 CHATML_TEMPLATE = (
@@ -28,6 +29,26 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+
+
+def build_vl_processor(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    image_config: Mapping[str, Any],
+    image_tokens: Sequence[str],
+    *,
+    vocab_size: int = 512,
+) -> Path:
+    """Train a byte-level BPE on ``texts`` with ChatML's tokens and a family's ``image_tokens`` (each one
+    token), and write it with ``image_config`` as ``preprocessor_config.json`` into ``out_dir``: a processor
+    folder of any family mm-data-vlm has an image format for (``image_config["image_processor_type"]``)."""
+    specials = tuple(dict.fromkeys((EOS_TOKEN, IM_START, IM_END, *image_tokens)))
+    out = write_bytelevel_bpe(
+        texts, vocab_size, out_dir, special_tokens=specials, chat_template=CHATML_TEMPLATE
+    )
+    text = json.dumps(dict(image_config), indent=2, sort_keys=True) + "\n"
+    (out / "preprocessor_config.json").write_text(text)
+    return out
 
 
 def build_qwen_vl_processor(
@@ -41,11 +62,8 @@ def build_qwen_vl_processor(
     min_pixels: int = 56 * 56,
     max_pixels: int = 56 * 56,
 ) -> Path:
-    """Train a byte-level BPE on ``texts`` (with Qwen's vision special tokens) and write it together with a
-    ``Qwen2VLImageProcessorPil`` configuration into ``out_dir``."""
-    out = write_bytelevel_bpe(
-        texts, vocab_size, out_dir, special_tokens=SPECIAL_TOKENS, chat_template=CHATML_TEMPLATE
-    )
+    """:func:`build_vl_processor` for Qwen-VL: Qwen's vision tokens and a ``Qwen2VLImageProcessorPil``
+    configuration."""
     image_config = {
         "image_processor_type": "Qwen2VLImageProcessorPil",
         "processor_class": "Qwen3VLProcessor",
@@ -60,5 +78,5 @@ def build_qwen_vl_processor(
         "temporal_patch_size": temporal_patch_size,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
-    (out / "preprocessor_config.json").write_text(json.dumps(image_config, indent=2, sort_keys=True) + "\n")
-    return out
+    tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+    return build_vl_processor(texts, out_dir, image_config, tokens, vocab_size=vocab_size)

@@ -55,6 +55,8 @@ class QwenVLPlans:
         if self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
             idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
         out = super().forward(*args, pixel_values=pixel_values, **kwargs)  # type: ignore[misc]
-        if idle is not None:
+        if idle is not None:  # into the loss too: loss_type raw backpropagates the model's own .loss
             out.logits = out.logits + idle
+            if out.loss is not None:
+                out.loss = out.loss + idle
         return out

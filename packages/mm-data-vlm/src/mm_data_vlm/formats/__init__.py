@@ -86,6 +86,9 @@ def _base_type(name: str) -> str:
 #: ``image_processor_type`` (without a Pil/Fast suffix) -> ``module:class`` of its format in this package
 FORMATS: dict[str, str] = {
     "Qwen2VLImageProcessor": "qwen:QwenVLFormat",
+    "Kimi_K25ImageProcessor": "kimi:KimiK25Format",
+    "MiniMaxM3VLImageProcessor": "minimax:MiniMaxM3VLFormat",
+    "Step3p7ImageProcessor": "step:Step3p7Format",
 }
 
 
