@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -85,12 +86,48 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
     return config
 
 
+def share_weight_conversions(cls: type) -> None:
+    """Let a subclass of a transformers model (mm's ``*ForTraining`` classes, a plugin's own) load and save
+    checkpoints under the weight names of the model it extends.
+
+    transformers renames weights between a checkpoint's names and the module's (per class name or
+    ``model_type``: e.g. Step 3.7's ``vision_model.conv1`` is ``model.vision_model.embeddings
+    .patch_embedding``), but skips classes defined outside transformers. A subclass would then load an
+    official checkpoint with weights missing and export names that transformers itself cannot load. This
+    registers the transformers base class's own mapping under the subclass's name, or re-registers its
+    ``model_type``'s mapping unchanged, through transformers' ``register_checkpoint_conversion_mapping``
+    (which makes transformers apply it to classes outside transformers); idempotent."""
+    from transformers import conversion_mapping
+
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)) or not cls.is_custom_code():
+        return
+    if cls.__name__ in conversion_mapping.USER_REGISTERED_MAPPINGS:
+        return
+    ours = [c for c in cls.__mro__ if issubclass(c, PreTrainedModel)]
+    base = next((c for c in ours if c.__module__.startswith("transformers.")), None)
+    if base is None or base is PreTrainedModel:
+        return
+    # transformers' conversion_mapping functions are unannotated
+    find = cast("Callable[[str], list[Any] | None]", conversion_mapping.get_checkpoint_conversion_mapping)
+    mapping = find(base.__name__)
+    if mapping:  # the base class has its own mapping: the subclass takes it under its name
+        conversion_mapping.register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
+        return
+    model_type = str(getattr(getattr(base, "config_class", None), "model_type", None) or "")
+    mapping = find(model_type) if model_type else None
+    if mapping and model_type not in conversion_mapping.USER_REGISTERED_MAPPINGS:
+        # the same mapping under the same model_type, registered as the user's: transformers then applies it
+        # to classes outside transformers too, exactly as to the base class (nested models included)
+        conversion_mapping.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+
 class ModelHub:
     """One place that turns the ``model`` block into an ``nn.Module``."""
 
     @staticmethod
     def model_class(args: ModelConfig) -> type:
         cls: type = model_register.get(args.model_id)
+        share_weight_conversions(cls)
         return cls
 
     @staticmethod
@@ -116,13 +153,25 @@ class ModelHub:
                         config, attn_implementation=args.attn_implementation, dtype=torch.float32
                     )
             else:
-                model = cls.from_pretrained(
+                # typed as returning the model; with output_loading_info it returns (model, info)
+                loaded: Any = cls.from_pretrained(
                     args.model_name_or_path,
                     config=config,
                     attn_implementation=args.attn_implementation,
                     dtype=torch.float32,
                     local_files_only=True,
+                    output_loading_info=True,
                 )
+                model, info = loaded
+                missing = sorted(info.get("missing_keys") or ())
+                if missing:
+                    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+                    raise ConfigError(
+                        f"model.model_name_or_path: {args.model_name_or_path!r} lacks {len(missing)} weights "
+                        f"of {cls.__name__} ({shown}); they would train from a random initialisation. Check "
+                        "that the folder holds this model (model.model_id) and all its shards, or set "
+                        "model.from_scratch: true"
+                    )
             return model
         if isinstance(cls, type) and issubclass(cls, BaseModel):
             if meta or args.from_scratch:
