@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
 from mm_data_vlm.processor_build import build_qwen_vl_processor
 
 SIZES = [(56, 56), (84, 56), (56, 112)]
@@ -141,3 +142,183 @@ def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
     cfg["model"]["loss_cfg"]["router_aux_loss_coef"] = 0.02  # the load-balancing loss, read from text_config
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+#: the other vision-language families' tiny assets: image processor configuration, image tokens, and the model
+#: config (as model.config_overrides) given the tokenizer's ids. Each runs the same records as make_assets.
+def _kimi(ids: dict[str, int]) -> dict:
+    """3 decoder layers, the first dense; 4 routed experts top-2 and a shared expert; multi-head latent
+    attention with values wider than queries/keys (12 vs 4 + 4: the padding of mm's context-parallel
+    kernel)."""
+    return {
+        "text_config": {
+            "vocab_size": ids["vocab"],
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "head_dim": 4,
+            "v_head_dim": 12,
+        },
+        "vision_config": {
+            "patch_size": 14,
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "pos_emb_height": 8,
+            "pos_emb_width": 8,
+        },
+        "projection_hidden_size": 32,
+        "image_token_id": ids["<|media_pad|>"],
+        "tie_word_embeddings": True,
+    }
+
+
+def _step(ids: dict[str, int]) -> dict:
+    """Layer 0 dense, layer 1 4 routed experts top-2 (SwiGLU clamp 7) and a shared expert; 32² global view
+    and 16² crops over ViT patches of 4 (4 image tokens per view, 1 per crop)."""
+    return {
+        "text_config": {
+            "vocab_size": ids["vocab"],
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "mlp_layer_types": ["dense", "sparse"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "share_expert_dim": 16,
+            "swiglu_limits": [0, 7.0],
+            "sliding_window": 512,  # required by transformers' mask code although every layer is full
+        },
+        "vision_config": {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "mlp_ratio": 2.0,
+            "image_size": 32,
+            "patch_size": 4,
+        },
+        "image_token_id": ids["<im_patch>"],
+    }
+
+
+def _minimax(ids: dict[str, int]) -> dict:
+    """A full-attention layer, then a sparse one (lightning indexer: blocks of 4 tokens, 2 kept per query);
+    layer 0 dense, layer 1 4 routed experts top-2 (clamped activation) and a shared expert."""
+    return {
+        "text_config": {
+            "vocab_size": ids["vocab"],
+            "hidden_size": 32,
+            "intermediate_size": 16,
+            "dense_intermediate_size": 32,
+            "shared_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "index_n_heads": 2,
+            "index_head_dim": 8,
+            "index_block_size": 4,
+            "index_topk_blocks": 2,
+            "index_local_blocks": 1,
+            "layer_types": ["full_attention", "minimax_m3_sparse"],
+            "mlp_layer_types": ["dense", "sparse"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+        "image_token_index": ids["]<]image[>["],
+        "video_token_index": ids["]<]video[>["],
+        "projector_hidden_size": 32,
+    }
+
+
+FAMILIES = {
+    "kimi_k25": (
+        {
+            "image_processor_type": "Kimi_K25ImageProcessor",
+            "patch_size": 14,
+            "merge_size": 2,
+            "size": {"max_height": 8, "max_width": 8},
+            "max_patches": 64,
+        },
+        ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"),
+        _kimi,
+    ),
+    "minimax_m3_vl": (
+        {
+            "image_processor_type": "MiniMaxM3VLImageProcessor",
+            "patch_size": 14,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "size": {"shortest_edge": 56 * 56, "longest_edge": 56 * 112},
+        },
+        ("]<]start of image[>[", "]<]end of image[>[", "]<]image[>[", "]<]video[>["),
+        _minimax,
+    ),
+    "step3p7": (
+        {
+            "image_processor_type": "Step3p7ImageProcessor",
+            "size": {"height": 32, "width": 32},
+            "patch_size": 16,
+            "max_image_size": 64,
+            "vision_patch_size": 4,
+        },
+        ("<patch_start>", "<patch_end>", "<patch_newline>", "<im_start>", "<im_end>", "<im_patch>"),
+        _step,
+    ),
+}
+
+
+def make_family_assets(root: Path, family: str, n: int = 32) -> Path:
+    """:func:`make_assets` for another family of :data:`FAMILIES`: the same records and images, that family's
+    processor folder (ChatML tokenizer with its image tokens) and tiny model (``model_id`` = ``family``,
+    ``config_overrides``, no config folder). Returns the YAML path."""
+    from transformers import AutoTokenizer
+
+    from mm_data_vlm.processor_build import build_vl_processor
+
+    path = make_assets(root, n)
+    image_config, tokens, model_config = FAMILIES[family]
+    records = json.loads((root / "data" / "train.json").read_text())
+    texts = [r["messages"][0]["content"] + r["messages"][1]["content"] for r in records] * 5
+    proc = build_vl_processor(texts, root / f"processor_{family}", image_config, tokens, vocab_size=300)
+    tok = AutoTokenizer.from_pretrained(proc)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tokens} | {"vocab": len(tok)}
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["dataset_param"]["preprocess_parameters"]["model_name_or_path"] = str(proc)
+    cfg["data"]["dataset_param"]["basic_parameters"]["cutoff_len"] = 256  # Step's crops make longer samples
+    cfg["data"]["dataloader_param"]["collate_param"]["collator_id"] = "vlm"
+    cfg["model"] = {
+        "model_id": family,
+        "model_name_or_path": None,
+        "from_scratch": True,
+        "config_overrides": model_config(ids),
+        "loss_cfg": {"loss_type": "per_token_loss"},
+    }
+    out = root / f"{family}.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out

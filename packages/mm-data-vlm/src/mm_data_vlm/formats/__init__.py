@@ -17,6 +17,7 @@ The format of a processor folder is chosen by its ``preprocessor_config.json``'s
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -25,7 +26,7 @@ import torch
 from ..errors import EncodeError
 
 
-class ImageFormat:
+class ImageFormat(ABC):
     """One family's image inputs. Subclasses set the class attributes and implement the three methods.
 
     Contract, checked on every sample by the dataset: for images of sizes ``sizes`` (width, height as they
@@ -56,19 +57,19 @@ class ImageFormat:
         or None when there is no such bound."""
         return None
 
+    @abstractmethod
     def pixels(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
         """The forward's pixel inputs for one sample's RGB PIL images, in placeholder order. Every tensor is
         concatenated along dim 0 with the other samples' by the collator. Raises :class:`EncodeError` when
         an image cannot be processed (e.g. an unusable aspect ratio)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def placeholder(self, width: int, height: int) -> str:
         """The text that replaces one ``<image>`` for an image that reaches :meth:`pixels` at this size."""
-        raise NotImplementedError
 
+    @abstractmethod
     def feature_rows(self, pixels: Mapping[str, torch.Tensor]) -> int:
         """How many image-token rows the vision tower produces for these pixel inputs."""
-        raise NotImplementedError
 
     def describe(self) -> str:
         """One line for ``mm check``."""
