@@ -1,10 +1,10 @@
-"""Qwen3-VL-MoE (``qwen3_vl_moe``) with images trains the same model on 2 FSDP ranks, and with expert
-parallelism 2 on 2 ranks, as in 1 process: gloo, fp32, 3 steps, images of different sizes and 0-2 images per
-sample (the tiny assets of the Qwen3-VL parity test, every decoder layer 4 fused experts, top-2, router
-load-balancing loss on, read from the text config). Losses, router losses and gradient norms agree within
-1e-5 relative. Also, in
-process on a 1-rank gloo group: meta-device init of the sharded model with the expert-parallel adapters
-swapped in initialises every tensor, routers and adapters included."""
+"""Qwen3-VL-MoE (``qwen3_vl_moe``) with images trains the same model on 2 FSDP ranks, with expert
+parallelism 2 and with Ulysses 2 context parallelism on 2 ranks, as in 1 process: gloo, fp32, 3 steps,
+images of different sizes and 0-2 images per sample (the tiny assets of the Qwen3-VL parity test, every
+decoder layer 4 fused experts, top-2, router load-balancing loss on, read from the text config). Losses,
+router losses and gradient norms agree within 1e-5 relative. Also, in process on a 1-rank gloo group:
+meta-device init of the sharded model with the expert-parallel adapters swapped in initialises every
+tensor, routers and adapters included."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ LAYOUTS = [
     ("single", 1, ["training.micro_batch_size=4"]),
     ("fsdp2", 2, ["training.micro_batch_size=2"]),
     ("ep2", 2, ["training.micro_batch_size=2", "parallel.expert_parallel_size=2"]),
+    ("ulysses2", 2, ["training.micro_batch_size=4", "parallel.ulysses_parallel_size=2"]),
 ]
 
 
@@ -34,7 +35,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2", "ep2"])
+@pytest.mark.parametrize("name", ["fsdp2", "ep2", "ulysses2"])
 def test_qwen3_vl_moe_with_images_matches_single_process(runs, name):
     ref, got = runs["single"], runs[name]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

@@ -236,9 +236,9 @@ class ContextParallel:
 
         Returns the local batch (with a local ``attention_mask``: 1 = real token, and the layout under
         :data:`LAYOUT_KWARG`) and the local targets. With a split module (vision-language models) the batch
-        is only padded to the layout's length, with the whole ``attention_mask`` and without added
-        ``position_ids`` (the model computes its own, over the whole sequence); the split module's pre-hook
-        then cuts the sequence, so the logits cover exactly the local targets."""
+        is only padded to the layout's length, without ``attention_mask`` (:meth:`local_mask` gives this
+        rank's) and without added ``position_ids`` (the model computes its own, over the whole sequence); the
+        split module's pre-hook then cuts the sequence, so the logits cover exactly the local targets."""
         ids = batch["input_ids"]
         b, s = ids.shape
         positions = batch.get("position_ids")
@@ -268,11 +268,24 @@ class ContextParallel:
                 out[name] = value
         if self.split_module is None:
             out["position_ids"] = layout.shard(pad_sequence(positions, length, 0))
-        out["attention_mask"] = cut(layout.segments != PAD_SEGMENT).long()
+            out["attention_mask"] = layout.shard(layout.segments != PAD_SEGMENT).long()
+        else:
+            # the model sees the whole sequence, its attention the layout. Without a mask, transformers
+            # numbers positions over every token (padding is at the end: real tokens keep theirs), and
+            # nothing inside the model pairs a whole-length mask with this rank's rows (e.g. a model's own
+            # router loss over the router logits, which cover only this rank's tokens); see local_mask
+            out.pop("attention_mask", None)
         out[LAYOUT_KWARG] = layout
         if targets is not None:
             targets = layout.shard(pad_sequence(targets, length, IGNORE_INDEX))
         return out, targets
+
+    @staticmethod
+    def local_mask(batch: dict[str, Any]) -> torch.Tensor:
+        """``[batch, local_len]``: 1 at the real (not padding) tokens this rank holds of a batch returned by
+        :meth:`shard`, the rows of its router logits and of its logits."""
+        layout: SequenceLayout = batch[LAYOUT_KWARG]
+        return (layout.shard(layout.segments) != PAD_SEGMENT).long()
 
     @staticmethod
     def local_tokens(batch: dict[str, Any]) -> torch.Tensor:

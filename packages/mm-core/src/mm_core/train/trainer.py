@@ -34,7 +34,7 @@ from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
-from mm_core.parallel.context import ContextParallel
+from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
 from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.registry import import_plugins
@@ -295,7 +295,8 @@ class Trainer:
         scaled like the main loss for FSDP's averaging and by 1 / micro-batches); record its value."""
         if self.router_aux is None:
             return loss
-        share, value = self.router_aux(output_field(out, "router_logits"), batch.get("attention_mask"))
+        mask = ContextParallel.local_mask(batch) if LAYOUT_KWARG in batch else batch.get("attention_mask")
+        share, value = self.router_aux(output_field(out, "router_logits"), mask)
         self._aux_values.append(value.detach().to(torch.float64))
         if not self.router_aux.coef:
             return loss
