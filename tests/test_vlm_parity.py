@@ -12,7 +12,12 @@ from _vlm import make_assets
 
 STEPS = 10
 LAYOUTS = [
-    ("single", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]),
+    # tools.peak_tflops: mfu in metrics.jsonl also on a CPU (it changes nothing else)
+    (
+        "single",
+        1,
+        ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2", "tools.peak_tflops=2"],
+    ),
     ("fsdp2", 2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
 ]
 CONTEXT = {"ulysses2": "parallel.ulysses_parallel_size=2", "ring2": "parallel.ring_attention_size=2"}
@@ -31,6 +36,13 @@ def test_fsdp2_with_images_matches_single_process(runs):
     assert_close_series([r["loss"] for r in ref], [r["loss"] for r in got], 1e-5, "fsdp2 loss")
     assert_close_series([r["grad_norm"] for r in ref], [r["grad_norm"] for r in got], 1e-5, "fsdp2 grad_norm")
     assert [r["tokens"] for r in ref] == [r["tokens"] for r in got]
+
+
+@pytest.mark.slow
+def test_throughput_and_mfu_are_logged(runs):
+    for r in runs["single"]:
+        assert r["tflops_per_s"] > 0 and r["mfu"] == pytest.approx(r["tflops_per_s"] / 2, rel=1e-12), r
+    assert all(r["tflops_per_s"] > 0 and "mfu" not in r for r in runs["fsdp2"])
 
 
 @pytest.mark.slow

@@ -286,6 +286,9 @@ class ToolsConfig(Block):
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     memory_profile: MemoryProfileConfig = Field(default_factory=MemoryProfileConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    #: peak TFLOP/s of one device for ``mfu`` in metrics.jsonl (null: mm's table of known accelerators in bf16
+    #: or fp16; no ``mfu`` on other devices, e.g. a CPU)
+    peak_tflops: float | None = Field(None, gt=0)
 
 
 # ------------------------------------------------------------------------------------------------- root

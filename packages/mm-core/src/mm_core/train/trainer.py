@@ -39,6 +39,7 @@ from mm_core.parallel.experts import router_aux_for
 from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
+from mm_core.train.flops import StepFlops, peak_tflops
 from mm_core.train.loss import count_units, loss_sum, shift_labels
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
 from mm_core.train.nonfinite import NonFiniteGuard
@@ -65,6 +66,8 @@ def output_dir_for(cfg: MMConfig, config_path: str | None) -> Path:
 class Trainer:
     """Owns one training run. ``Trainer(cfg).train()`` is the whole job; every piece is built in
     :meth:`setup` from the config and the live process group."""
+
+    _flops: torch.Tensor  # this rank's model FLOPs of the current step (see mm_core.train.flops)
 
     def __init__(self, cfg: MMConfig, config_path: str | None = None) -> None:
         self.cfg = cfg
@@ -96,6 +99,10 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self._info)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
+        self.flops = StepFlops.of(self.model)
+        self._peak_tflops = peak_tflops(
+            self.state.device, to_dtype(cfg.parallel.fsdp_plan.param_dtype), cfg.tools.peak_tflops
+        )
         self.float_dtype: torch.dtype | None = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
         if self.float_dtype == torch.float32:
             self.float_dtype = None
@@ -250,7 +257,14 @@ class Trainer:
         """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
         reported loss (a sum over loss units, or the raw loss)."""
         moe = {"output_router_logits": True} if self.router_aux is not None else {}
-        out = self._call_model(batch, use_cache=False, **moe)
+        layout = batch.get(LAYOUT_KWARG)
+        context = layout.segments.shape[1] if layout is not None else batch["input_ids"].shape[1]
+        tokens = ContextParallel.local_tokens(batch) if layout is not None else self._count_tokens(batch)
+        vision_share = 1.0 / self.state.sizes.cp if self.context and self.context.split_module else 1.0
+        out, flops = self.flops.forward_flops(
+            lambda: self._call_model(batch, use_cache=False, **moe), tokens, context, vision_share
+        )
+        self._flops = self._flops + flops
         loss_type = self.cfg.model.loss_cfg.loss_type
         if targets is None:
             loss = output_field(out, "loss")
@@ -302,6 +316,15 @@ class Trainer:
             return loss
         return loss + share * (self.router_aux.coef * self._aux_scale)
 
+    def _throughput(self, flops: float, seconds: float) -> dict[str, float]:
+        """``tflops_per_s`` per device of a step of ``flops`` model FLOPs (all ranks) and, when the device's
+        peak is known (``tools.peak_tflops`` or mm's table), ``mfu`` (see :mod:`mm_core.train.flops`)."""
+        per_device = flops / max(seconds, 1e-12) / self.state.sizes.world_size / 1e12
+        out = {"tflops_per_s": per_device}
+        if self._peak_tflops:
+            out["mfu"] = per_device / self._peak_tflops
+        return out
+
     def _clip_grads(self) -> torch.Tensor:
         """Clip gradients by the global norm (the optimizer's clipping policy); returns the norm, on the
         device."""
@@ -336,18 +359,21 @@ class Trainer:
         scale = torch.full_like(self._zero, 1.0 / len(prepared)) if raw else ws / global_units.clamp(min=1.0)
         self._aux_values: list[torch.Tensor] = []
         self._aux_scale = float(ws) / len(prepared)
+        self._flops = self._zero
 
-        # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT)
-        loss_acc = torch.zeros(2, dtype=torch.float64, device=self._zero.device)
+        # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
+        # model FLOPs of every rank
+        loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
         for batch, targets, _, _ in prepared:
             loss, contrib = self._forward_loss(batch, targets, scale)
             loss.backward()
             loss_acc[0] += contrib.double()
         loss_acc[1] = float(self.stop.requested)
+        loss_acc[2] = self._flops
         dist.all_reduce(loss_acc)
         grad_norm = self._clip_grads()
         stats = [loss_acc[0], grad_norm.to(loss_acc.device, torch.float64), counts[0], counts[1], counts[2]]
-        stats.append(loss_acc[1])
+        stats += [loss_acc[1], loss_acc[2]]
         aux = self._aux_values
         stats.append(torch.stack(aux).sum() / len(aux) if aux else self._zero)
         if log_memory:
@@ -355,7 +381,7 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             stats.append(peak)
         values = torch.stack(stats).tolist()  # the step's one host sync
-        loss_sum_, gnorm, units, tokens, skipped_all, stop, aux = values[:7]
+        loss_sum_, gnorm, units, tokens, skipped_all, stop, flops, aux = values[:8]
         step_loss = loss_sum_ / (ws if raw else max(units, 1.0))
         self.stop.agreed = self.stop.agreed or stop > 0
         # ranks of one data-parallel group read the same records, so each skipped record is counted that often
@@ -364,8 +390,9 @@ class Trainer:
         metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(tokens)}
         if self._aux_values:  # mixture-of-experts: the mean over micro-batches of the global router loss
             metrics["aux_loss"] = aux
+        metrics["flops"] = flops  # of the whole step, every rank (popped for tflops_per_s and mfu)
         if log_memory:
-            metrics["peak_mem_gb"] = values[7]
+            metrics["peak_mem_gb"] = values[8]
         if self.nonfinite.allows_update(self.progress.step + 1, step_loss, gnorm):
             self.optimizer.step()
             self.scheduler.step()
@@ -412,10 +439,12 @@ class Trainer:
                     self.progress.step = step
                     self.progress.consumed_samples += self.batches.take_samples_consumed()
                     self.progress.consumed_tokens += int(metrics["tokens"])
+                    flops = metrics.pop("flops")
                     if logged:
                         peak = metrics.pop("peak_mem_gb")
                         record = {"step": step, **metrics, "tokens_per_s": metrics["tokens"] / dt}
                         record.update(step_time_s=dt, peak_mem_gb=peak)
+                        record.update(self._throughput(flops, dt))
                         if cfg.data.dataset_param.on_error == "skip":
                             record["skipped_samples"] = self.skipped_samples
                         records.append(record)
