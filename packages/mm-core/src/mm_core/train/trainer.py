@@ -100,10 +100,8 @@ class Trainer:
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, self.state)  # None without context parallel
         self.flops = StepFlops.of(self.model)
-        self._peak_tflops = peak_tflops(
-            self.state.device, to_dtype(cfg.parallel.fsdp_plan.param_dtype), cfg.tools.peak_tflops
-        )
         self.float_dtype: torch.dtype | None = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
+        self._peak_tflops = peak_tflops(self.state.device, self.float_dtype, cfg.tools.peak_tflops)
         if self.float_dtype == torch.float32:
             self.float_dtype = None
 
@@ -252,14 +250,14 @@ class Trainer:
         return torch.full_like(self._zero, float(batch["input_ids"].numel()))
 
     def _forward_loss(
-        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: torch.Tensor
+        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward one micro-batch. Returns the loss to back-propagate and this rank's contribution to the
-        reported loss (a sum over loss units, or the raw loss)."""
+        """Forward one micro-batch (``tokens``: this rank's input tokens of it, from :meth:`_prepare`).
+        Returns the loss to back-propagate and this rank's contribution to the reported loss (a sum over
+        loss units, or the raw loss)."""
         moe = {"output_router_logits": True} if self.router_aux is not None else {}
         layout = batch.get(LAYOUT_KWARG)
         context = layout.segments.shape[1] if layout is not None else batch["input_ids"].shape[1]
-        tokens = ContextParallel.local_tokens(batch) if layout is not None else self._count_tokens(batch)
         vision_share = 1.0 / self.state.sizes.cp if self.context and self.context.split_module else 1.0
         out, flops = self.flops.forward_flops(
             lambda: self._call_model(batch, use_cache=False, **moe), tokens, context, vision_share
@@ -364,8 +362,8 @@ class Trainer:
         # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
         # model FLOPs of every rank
         loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
-        for batch, targets, _, _ in prepared:
-            loss, contrib = self._forward_loss(batch, targets, scale)
+        for batch, targets, _, tokens in prepared:
+            loss, contrib = self._forward_loss(batch, targets, scale, tokens)
             loss.backward()
             loss_acc[0] += contrib.double()
         loss_acc[1] = float(self.stop.requested)
