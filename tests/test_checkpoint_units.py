@@ -121,6 +121,14 @@ def test_loader_does_not_touch_the_global_torch_rng():
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_loader_workers_are_forked():
+    """Ranks that ``mm train`` starts are spawned processes, whose default is to spawn workers too (each
+    importing torch and the plugins again at every epoch start); the loader forks them, as in torchrun's."""
+    its = _iterators(8, 1, 2, workers=1)
+    assert its[0].loader.multiprocessing_context.get_start_method() == "fork"
+    assert _take(its, 6)  # they deliver, across an epoch start
+
+
 class MixedIds(Ids):
     """Three sources (10, 25, 15 samples) mixed 3:1:1, so source 0 is up-sampled and the others down; sample
     ``i`` has ``1 + i % 7`` tokens."""

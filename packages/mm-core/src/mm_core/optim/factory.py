@@ -73,9 +73,10 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_adamw(
     model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW with ``training.adam_*``; fused kernels on accelerators when ``training.adam_fused``."""
+    """AdamW with ``training.adam_*``; torch's fused kernel (cuda, npu and cpu; sharded DTensor parameters
+    included) when ``training.adam_fused``, else the multi-tensor (foreach) one."""
     device_type = next(model.parameters()).device.type
-    fused = cfg.adam_fused and device_type in ("cuda", "npu")
+    fused = cfg.adam_fused and device_type in ("cuda", "npu", "cpu")
     return torch.optim.AdamW(
         decay_groups(model, cfg.weight_decay),
         lr=cfg.lr,
