@@ -2,9 +2,10 @@
 for all of them), each from its own config file and overrides.
 
 ``run_sequence(n, [(name, config, overrides), ...], out)`` returns, per run, the metrics records of rank 0
-plus ``calls``: how many times the module named by ``COUNTED`` ran its forward on rank 0 (a recomputed
-module runs it again in backward, so this shows recompute really took place). Runs execute in order, so a
-later run may load a checkpoint an earlier one saved."""
+plus ``head``: the chunked-loss head's class (``NoneType`` without one) and ``calls``: how many times the
+module named by ``COUNTED`` ran its forward on rank 0 (a recomputed module runs it again in backward, so
+this shows recompute really took place). Runs execute in order, so a later run may load a checkpoint an
+earlier one saved."""
 
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None
             handle = counted.register_forward_pre_hook(lambda *_, seen=calls: seen.append(None))
             records = trainer.train()
             handle.remove()
-            results[name] = {"records": records, "calls": len(calls)}
+            head = type(
+                trainer.chunked_head
+            ).__name__  # ChunkedLossHead, or NoneType: the loss took full logits
+            results[name] = {"records": records, "calls": len(calls), "head": head}
         if rank == 0:
             Path(out, "results.json").write_text(json.dumps(results), encoding="utf-8")
     finally:

@@ -14,7 +14,7 @@ from mm_core.config.loader import load_config
 from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub
 from mm_core.parallel.estimate import estimate_activations
-from mm_core.parallel.memory import plan_memory_features
+from mm_core.parallel.memory import apply_chunked_loss, plan_memory_features
 from mm_core.train.loss import loss_sum, shift_labels
 
 SEQ, MICRO = 64, 2
@@ -32,10 +32,9 @@ def _cfg(*overrides: str):
     )
 
 
-def test_activation_estimate_equals_saved_tensors():
-    cfg = _cfg()
-    torch.manual_seed(0)
-    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}))
+def _measure(model, ids, forward_loss) -> int:
+    """Bytes autograd keeps after the forward and loss (not the parameters): saved tensors, plus what the
+    chunked loss keeps on its node (the gradients it computed in the forward)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -45,16 +44,35 @@ def test_activation_estimate_equals_saved_tensors():
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, model.config.vocab_size, (MICRO, SEQ))
     with saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-        loss_sum(out.logits, shift_labels(ids), "per_token_loss")
-    measured = sum(saved.values())
+        loss = forward_loss(ids)
+    kept = getattr(loss.grad_fn, "grads", None) or ()
+    return sum(saved.values()) + sum(t.untyped_storage().nbytes() for t in kept if t is not None)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_activation_estimate_equals_saved_tensors(chunked):
+    cfg = _cfg(f"model.loss_cfg.chunked_loss={str(chunked).lower()}")
+    torch.manual_seed(0)
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}))
+    ids = torch.randint(0, model.config.vocab_size, (MICRO, SEQ))
     estimated, transient = estimate_activations(model, cfg, [], [])
+    head = apply_chunked_loss(model, cfg)
+    assert (head is not None) == chunked
+
+    def forward_loss(ids):
+        if head is None:
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            return loss_sum(out.logits, shift_labels(ids), "per_token_loss")
+        with head.computing_loss(shift_labels(ids)):
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+    measured = _measure(model, ids, forward_loss)
     # the estimate leaves out only per-token scalars (RMSNorm's rsqrt, token ids): under 1%
     assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
     assert transient > 0
-
+    if not chunked:
+        return
     meta = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     layers = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
     full, _ = estimate_activations(meta, cfg, layers, [])

@@ -28,8 +28,8 @@ LAYOUTS = [
         "ddp2",
         2,
         [
-            "training.micro_batch_size=4",
-            "training.gradient_accumulation_steps=1",
+            "training.micro_batch_size=2",  # accumulation: the replicas all-reduce after the last micro-batch
+            "training.gradient_accumulation_steps=2",
             "parallel.fully_shard_parallel_size=1",
         ],
     ),

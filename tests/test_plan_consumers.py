@@ -58,8 +58,13 @@ def test_check_prints_the_model_plan_and_the_optimizer_summary(capsys) -> None:
     assert lines[at + 1].split() == ["fsdp_units", "model.layers.{*}"]
     assert lines[at + 2].split() == ["recompute_units", "model.layers.{*}"]
     assert lines[at + 3].split() == ["expert_modules", "-"]
-    assert lines[at + 6].split() == ["init_weights", "-"]
-    assert lines[at + 7].startswith("fsdp units  : from parallel.fsdp_plan.apply_modules")
+    assert lines[at + 6].split() == ["output_head", "lm_head"]
+    assert lines[at + 7].split() == ["init_weights", "-"]
+    assert lines[at + 8].startswith("fsdp units  : from parallel.fsdp_plan.apply_modules")
+    assert (
+        "loss        : per_token_loss; chunked loss: lm_head computes the loss 1024 tokens at a time"
+        in "\n".join(lines)
+    )
     assert any(line.startswith("optimizer   : adamw over ") for line in lines), lines
     overrides = ["model.model_id=qwen3_moe", "model.model_name_or_path=null", f"model.config_overrides={MOE}"]
     run_check(load_config(QUICKSTART, overrides), 2)

@@ -20,8 +20,9 @@ from mm_core.models.nograd import describe_frozen, describe_probe, probe_gradien
 from mm_core.models.plan import plan_of
 from mm_core.optim.factory import describe_optimizer
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
+from mm_core.parallel.compile import CompilePlan, plan_compile
 from mm_core.parallel.estimate import estimate_breakdown
-from mm_core.parallel.memory import describe_features, hook_groups, plan_memory_features
+from mm_core.parallel.memory import chunked_loss_plan, describe_features, hook_groups, plan_memory_features
 from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.preflight import run_preflight
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
@@ -58,6 +59,14 @@ def _print_expert_parallel(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes
     for line in expert_layout(model, names, sizes):
         out(line)
     return names if sizes.ep > 1 else []
+
+
+def _compile_plan(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes, units: list[str]) -> CompilePlan:
+    """``training.compile``: the FSDP units the trainer compiles, and why the others run eagerly."""
+    from mm_core.parallel.experts import expert_modules
+
+    experts, _ = expert_modules(model, cfg, sizes)
+    return plan_compile(model, cfg, [u for u in units if u not in experts], experts)
 
 
 #: what ``mm check`` prints about gradients when ``--grad-probe`` is not given
@@ -184,6 +193,9 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False, probe_grad
         )
     for line in describe_features(feats, cfg):
         out(line)
+    if tcfg.compile:  # the trainer's plan, with its checks
+        out(f"compile     : {_compile_plan(model, cfg, sizes, units).describe()}")
+    out(f"loss        : {cfg.model.loss_cfg.loss_type}; {chunked_loss_plan(model, cfg)[1]}")
     out(
         f"memory/rank : {mem.total / GiB:.3f} GiB estimated peak = model states (params "
         f"{mem.params / GiB:.3f}, grads {mem.grads / GiB:.3f}, optimizer {mem.optimizer / GiB:.3f}) + "

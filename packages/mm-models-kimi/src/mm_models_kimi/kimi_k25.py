@@ -63,6 +63,7 @@ class KimiK25ForTraining(Kimi_K25ForConditionalGeneration):
             "model.mm_projector.pre_norm",
             "model.language_model.layers.{*}.mlp.gate",
         ),
+        output_head="lm_head",
         init_weights=init_expert_adapters,
     )
 

@@ -118,6 +118,7 @@ class MiniMaxM3VLForTraining(MiniMaxM3SparseForConditionalGeneration):
             "model.vision_tower.embeddings.proj",
             "model.language_model.layers.{*}.mlp.gate",
         ),
+        output_head="lm_head",
         init_weights=init_minimax_m3_vl,
     )
     #: module pattern -> why the model freezes its parameters; ``mm check`` prints it beside them

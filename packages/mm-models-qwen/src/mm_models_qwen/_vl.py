@@ -23,6 +23,7 @@ QWEN_VL_PLAN = ModelPlan(
     muon_exclude_modules=("model.visual.patch_embed",),
     cp_split_module="model.language_model",
     cp_packed_inputs=(("deepstack_visual_embeds", "visual_pos_masks"),),
+    output_head="lm_head",
 )
 
 

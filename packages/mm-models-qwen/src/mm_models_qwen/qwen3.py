@@ -17,4 +17,5 @@ class Qwen3ForTraining(Qwen3ForCausalLM):
     mm_plan: ClassVar[ModelPlan] = ModelPlan(
         fsdp_units=("model.layers.{*}",),
         recompute_units=("model.layers.{*}",),
+        output_head="lm_head",
     )

@@ -25,5 +25,6 @@ class Qwen3_5MoeTextForTraining(Qwen3_5MoeForCausalLM):
         recompute_units=("model.layers.{*}",),
         expert_modules=("model.layers.{*}.mlp.experts",),
         muon_exclude_modules=("model.layers.{*}.mlp.gate", "model.layers.{*}.mlp.shared_expert_gate"),
+        output_head="lm_head",
         init_weights=init_qwen3_5_moe,
     )

@@ -21,5 +21,6 @@ class Qwen3MoeForTraining(Qwen3MoeForCausalLM):
         recompute_units=("model.layers.{*}",),
         expert_modules=("model.layers.{*}.mlp.experts",),
         muon_exclude_modules=("model.layers.{*}.mlp.gate",),
+        output_head="lm_head",
         init_weights=init_expert_adapters,
     )

@@ -74,6 +74,7 @@ STEP3P7_PLAN = ModelPlan(
         "model.vision_model.downsampler2",
         "model.language_model.embed_tokens",
     ),
+    output_head="lm_head",
     init_weights=init_expert_adapters,
 )
 

@@ -141,6 +141,12 @@ class DataConfig(Block):
 class LossConfig(Block):
     loss_type: Literal["raw", "default", "per_token_loss", "per_sample_loss"] = "default"
     router_aux_loss_coef: float = Field(0.0, ge=0)
+    #: the output projection and the cross entropy computed chunk by chunk (``per_token_loss`` /
+    #: ``per_sample_loss``), so the full-vocabulary logits of the sequence never exist at once; used when the
+    #: model plan names its ``output_head`` (see docs/performance.md)
+    chunked_loss: bool = True
+    #: tokens per chunk of the chunked loss
+    loss_chunk_size: int = Field(1024, ge=1)
 
 
 class RecomputePlan(Block):
@@ -240,6 +246,8 @@ class TrainingConfig(Block):
     #: stops with an error; 0: the first one stops the run
     skip_nonfinite_steps: int = Field(0, ge=0)
     progress_bar: bool = True
+    #: torch.compile each FSDP unit (the plan's ``fsdp_units``) in place before sharding, as torchtitan does
+    compile: bool = False
 
     @property
     def grad_accum(self) -> int:

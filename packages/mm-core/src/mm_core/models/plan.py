@@ -60,6 +60,10 @@ class ModelPlan:
     cp_packed_inputs: tuple[tuple[str, str], ...] = ()
     #: modules whose weights never take Muon even if 2-D (routers, gates); ``training.muon.exclude`` adds more
     muon_exclude_modules: tuple[str, ...] = ()
+    #: the ``nn.Linear`` whose output the forward returns as ``.logits`` unchanged (no scaling or soft-capping
+    #: after it), called once per forward, e.g. ``"lm_head"``: mm computes the loss there in chunks
+    #: (``model.loss_cfg.chunked_loss``). None: the loss is taken from the full ``.logits``
+    output_head: str | None = None
     #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
     #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
     init_weights: Callable[[nn.Module], None] | None = None
@@ -120,6 +124,7 @@ class ModelPlan:
             + (f" (adapter {adapter.__name__})" if self.expert_modules else ""),
             f"  cp_split_module       {cp}",
             f"  muon_exclude_modules  {patterns(self.muon_exclude_modules)}",
+            f"  output_head           {self.output_head or '- (loss from the full logits)'}",
             f"  init_weights          {init}",
         ]
 

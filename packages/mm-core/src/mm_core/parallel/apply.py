@@ -19,8 +19,9 @@ from mm_core.lora import apply_lora, check_lora_settings
 from mm_core.models.hub import has_weights
 from mm_core.models.output import normalize_outputs
 from mm_core.models.plan import plan_of
+from mm_core.parallel.compile import apply_compile, plan_compile
 from mm_core.parallel.experts import apply_expert_parallel
-from mm_core.parallel.memory import apply_memory_features, apply_prefetch
+from mm_core.parallel.memory import apply_chunked_loss, apply_memory_features, apply_prefetch
 from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.memory import ExecutionOrderPrefetch
@@ -108,6 +109,9 @@ def shard_model(
     check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path and has_weights(path)))
     if cfg.training.lora.enable:
         apply_lora(model, cfg.training.lora)
+    apply_chunked_loss(
+        model, cfg
+    )  # the output head, swapped over its own parameters (after LoRA: it may wrap it)
     plan = cfg.parallel.fsdp_plan
     mp = mixed_precision_policy(
         to_dtype(plan.param_dtype),
@@ -125,9 +129,17 @@ def shard_model(
     # inner modules must be wrapped before the modules that contain them
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     units.sort(key=lambda m: -depth[id(m)])
-    # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after
-    apply_memory_features(model, cfg, state.device.type)
     unit_names = {id(m): n for n, m in model.named_modules()}
+    compiled = (
+        plan_compile(model, cfg, [unit_names[id(m)] for m in units], experts)
+        if cfg.training.compile
+        else None
+    )
+    # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after.
+    # training.compile then compiles each unit's forward in place (a recomputed one: checkpoint inside)
+    apply_memory_features(model, cfg, state.device.type, compiled=compiled.recomputed if compiled else ())
+    if compiled is not None:
+        apply_compile(model, cfg, compiled, state)
     # before fully_shard's own hook: FSDP2 must see the output's tensors to hook the root unit's backward
     normalize_outputs(model)
     sharded = apply_fsdp(

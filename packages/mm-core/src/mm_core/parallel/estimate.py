@@ -12,14 +12,16 @@ Everything is derived from what is stored, not fitted:
   and MLP inputs), 4 (2 without q/k norms) query-sized and key/value-sized tensors (q/k norm input and output,
   the rotated q, k and v that attention saves, its output), 4 intermediate-sized ones (gate, up, SiLU(gate),
   their product); outside the layers the final norm and ``lm_head`` input (3 hidden-sized) and the fp32
-  log-probabilities of the loss (vocabulary-sized). Counted this way the total matches what autograd's
-  saved-tensor hooks report for Qwen3 exactly (see docs/memory.md);
+  log-probabilities of the loss (vocabulary-sized) -- or, with the chunked loss, the gradient of the head's
+  weight computed in the forward (one chunk of logits exists at a time). Counted this way the total matches
+  what autograd's saved-tensor hooks report for Qwen3 exactly (see docs/memory.md);
 - with full recompute a checkpointed layer keeps only its input, and one layer's activations exist again
   while it is recomputed in backward; selective recompute also keeps the attention output (and its
   log-sum-exp) of each layer;
 - at the start of backward the gradient of the log-probabilities and of the logits (two vocabulary-sized fp32
-  tensors) and one layer's activation gradients exist on top of the saved activations; later in backward the
-  sharded gradients grow while the activations are freed, so the peak is the larger of the two phases.
+  tensors; none with the chunked loss) and one layer's activation gradients exist on top of the saved
+  activations; later in backward the sharded gradients grow while the activations are freed, so the peak is
+  the larger of the two phases.
 
 Not included: allocator caching and fragmentation, communication buffers, the data pipeline. Activation
 offload moves activations to host memory, so on a CPU run it changes nothing (on an accelerator the offloaded
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mm_core.config.schema import MMConfig
+from mm_core.parallel.memory import chunked_loss_plan
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -103,9 +106,21 @@ def estimate_activations(
         selective if cfg.model.recompute_plan.recompute_granularity == "selective" else 0
     )
     acts = (n_layers - n_recomputed - n_offloaded) * layer + n_recomputed * kept_recomputed
-    acts += 3 * tokens * config.hidden_size * itemsize + tokens * config.vocab_size * 4
-    transient = 2 * tokens * config.vocab_size * 4 + layer * (2 if n_recomputed else 1)
-    return float(acts), float(transient)
+    acts += 3 * tokens * config.hidden_size * itemsize
+    layer_grads = layer * (2 if n_recomputed else 1)
+    vocab = config.vocab_size
+    if chunked_loss_plan(model, cfg)[0] is None:
+        acts += tokens * vocab * 4
+        return float(acts), float(2 * tokens * vocab * 4 + layer_grads)
+    # chunked: the head's weight gradient is kept from the forward instead of the log-probabilities; while
+    # the forward runs, one chunk of fp32 logits (and, for low-precision weights, its cast and the fp32 sum
+    # of the weight gradient with one chunk's product)
+    acts += vocab * config.hidden_size * itemsize
+    chunk = min(cfg.model.loss_cfg.loss_chunk_size, tokens)
+    head_pass = chunk * vocab * 4
+    if itemsize < 4:
+        head_pass += chunk * vocab * itemsize + vocab * config.hidden_size * (4 + itemsize)
+    return float(acts), float(max(head_pass, layer_grads))
 
 
 def estimate_breakdown(

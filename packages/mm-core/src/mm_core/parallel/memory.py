@@ -1,6 +1,7 @@
 """The YAML's memory features applied to a model: ``model.recompute`` (full or selective),
 ``model.activation_offload``, and the FSDP gathering plan: ``parallel.fsdp_plan.hook_modules``,
-``num_to_{forward,backward}_prefetch`` and ``pregather``.
+``num_to_{forward,backward}_prefetch`` and ``pregather``; and the chunked loss at the output head
+(``model.loss_cfg.chunked_loss``).
 
 Recompute and offload are applied before ``fully_shard`` (they are module hooks and keep parameter names);
 prefetch is wired after it, from the order the FSDP units really run in during the first forward.
@@ -8,7 +9,7 @@ prefetch is wired after it, from the order the FSDP units really run in during t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -16,7 +17,9 @@ from torch import nn
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
 from mm_core.models.plan import plan_of
+from mm_core.train.loss import IGNORE_INDEX
 from mm_parallel.memory import ActivationOffloader, ExecutionOrderPrefetch, apply_recompute, resolve_ops
+from mm_parallel.memory.chunked_loss import ChunkedLossHead
 from mm_parallel.patterns import PatternError, match_modules
 
 
@@ -104,14 +107,19 @@ def plan_memory_features(model: nn.Module, cfg: MMConfig) -> MemoryFeatures:
     return out
 
 
-def apply_memory_features(model: nn.Module, cfg: MMConfig, device_type: str) -> MemoryFeatures:
-    """Recompute and activation offload on the planned modules; call before ``fully_shard``."""
+def apply_memory_features(
+    model: nn.Module, cfg: MMConfig, device_type: str, *, compiled: Collection[str] = ()
+) -> MemoryFeatures:
+    """Recompute and activation offload on the planned modules; call before ``fully_shard``. The modules
+    in ``compiled`` are recomputed by a checkpoint inside their compiled forward (``training.compile``), not
+    here."""
     feats = plan_memory_features(model, cfg)
     modules = dict(model.named_modules())
     if feats.recompute:
         plan = cfg.model.recompute_plan
         save_ops = resolve_ops(plan.save_ops) if plan.recompute_granularity == "selective" else None
-        apply_recompute([modules[n] for n in feats.recompute], save_ops=save_ops)
+        hooked = [modules[n] for n in feats.recompute if n not in compiled]
+        apply_recompute(hooked, save_ops=save_ops)
     if feats.offload:
         oplan = cfg.model.activation_offload_plan
         feats.offloader = ActivationOffloader(
@@ -218,3 +226,50 @@ def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
     if plan.cpu_offload:
         lines.append("cpu offload : sharded parameters, gradients and optimizer states in host memory")
     return lines
+
+
+def chunked_loss_plan(model: nn.Module, cfg: MMConfig) -> tuple[str | None, str]:
+    """Where the chunked loss goes (``model.loss_cfg.chunked_loss``): the path of the model's output head,
+    or None; and one line for the log saying so, or why not."""
+    loss = cfg.model.loss_cfg
+    if loss.loss_type == "raw":
+        return None, "chunked loss off: loss_type raw trains on the model's own .loss"
+    if not loss.chunked_loss:
+        return None, "chunked loss off (model.loss_cfg.chunked_loss: false): the loss takes the full logits"
+    name = type(model).__name__
+    path = plan_of(model).output_head
+    if path is None:
+        return None, (
+            f"chunked loss off: {name} names no output head (ModelPlan.output_head), so the loss takes the "
+            "full logits"
+        )
+    try:
+        head = model.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(f"{name}: ModelPlan.output_head {path!r} is not a module of the model") from None
+    if not isinstance(head, ChunkedLossHead) and type(head) is not nn.Linear:
+        return None, (
+            f"chunked loss off: {path} is a {type(head).__name__} (e.g. a LoRA layer), not a plain "
+            "nn.Linear; the loss takes the full logits"
+        )
+    return path, (
+        f"chunked loss: {path} computes the loss {loss.loss_chunk_size} tokens at a time "
+        "(model.loss_cfg.chunked_loss; full-vocabulary logits are never formed)"
+    )
+
+
+def apply_chunked_loss(model: nn.Module, cfg: MMConfig) -> ChunkedLossHead | None:
+    """Swap the output head for a :class:`ChunkedLossHead` over its own parameters (before ``fully_shard``,
+    after LoRA injection); returns it, or None when :func:`chunked_loss_plan` says no."""
+    path, _ = chunked_loss_plan(model, cfg)
+    if path is None:
+        return None
+    head = model.get_submodule(path)
+    if isinstance(head, ChunkedLossHead):
+        return head
+    assert isinstance(head, nn.Linear)  # chunked_loss_plan checked it
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    new = ChunkedLossHead.replacing(head, cfg.model.loss_cfg.loss_chunk_size, IGNORE_INDEX)
+    setattr(parent, attr, new)
+    return new

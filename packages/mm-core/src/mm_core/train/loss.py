@@ -39,6 +39,16 @@ def count_units(targets: torch.Tensor, loss_type: str) -> torch.Tensor:
     return valid.sum()
 
 
+def loss_weights(targets: torch.Tensor, loss_type: str) -> torch.Tensor | None:
+    """Per-position factors under which the plain sum of token losses is :func:`loss_sum`: None (all 1) over
+    tokens; 1 / the sample's label tokens for ``per_sample_loss`` (for losses summed elsewhere, e.g. in
+    chunks at the output head)."""
+    if loss_type != "per_sample_loss":
+        return None
+    n = (targets != IGNORE_INDEX).sum(dim=-1, keepdim=True).clamp(min=1)
+    return (1.0 / n.to(torch.float32)).expand_as(targets)
+
+
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_type: str) -> torch.Tensor:
     """The summed loss of a micro-batch: over tokens, or over per-sample token means."""
     losses = token_losses(logits, targets)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from mm_core.checkpoint import (
     CheckpointSaver,
@@ -36,16 +38,18 @@ from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model, to_dtype
 from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
+from mm_core.parallel.memory import chunked_loss_plan
 from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.registry import import_plugins
 from mm_core.tools import StepTools
 from mm_core.train.flops import StepFlops, peak_tflops
-from mm_core.train.loss import count_units, loss_sum, shift_labels
+from mm_core.train.loss import count_units, loss_sum, loss_weights, shift_labels
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
 from mm_core.train.nonfinite import NonFiniteGuard
 from mm_core.train.outputs import check_run_outputs
 from mm_core.train.signals import StopRequest
 from mm_parallel.grad import clip_grad_norm_
+from mm_parallel.memory.chunked_loss import ChunkedLossHead
 
 log = logging.getLogger("mm")
 
@@ -95,6 +99,11 @@ class Trainer:
         check_run_outputs(cfg, self.out_dir, self.load_path)  # another run's outputs, dataset folders
         self.model = self._build_model()
         self._model_name = type(self.model).__name__
+        head_path, note = chunked_loss_plan(self.model, cfg)
+        head = self.model.get_submodule(head_path) if head_path else None
+        self.chunked_head = head if isinstance(head, ChunkedLossHead) else None
+        if cfg.model.loss_cfg.chunked_loss and cfg.model.loss_cfg.loss_type != "raw":
+            self._info(note)
         self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
         self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self._info)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
@@ -259,11 +268,18 @@ class Trainer:
         layout = batch.get(LAYOUT_KWARG)
         context = layout.segments.shape[1] if layout is not None else batch["input_ids"].shape[1]
         vision_share = 1.0 / self.state.sizes.cp if self.context and self.context.split_module else 1.0
-        out, flops = self.flops.forward_flops(
-            lambda: self._call_model(batch, use_cache=False, **moe), tokens, context, vision_share
-        )
-        self._flops = self._flops + flops
         loss_type = self.cfg.model.loss_cfg.loss_type
+        head = self.chunked_head if targets is not None else None
+        chunked = (
+            head.computing_loss(targets, loss_weights(targets, loss_type))
+            if head is not None and targets is not None
+            else nullcontext()
+        )
+        with chunked:
+            out, flops = self.flops.forward_flops(
+                lambda: self._call_model(batch, use_cache=False, **moe), tokens, context, vision_share
+            )
+        self._flops = self._flops + flops
         if targets is None:
             loss = output_field(out, "loss")
             if not isinstance(loss, torch.Tensor):
@@ -282,7 +298,18 @@ class Trainer:
                 f"forward of {self._model_name} returned none; return .logits, or set "
                 "model.loss_cfg.loss_type: raw to train on the model's own .loss"
             )
-        s = loss_sum(logits, targets, loss_type)
+        if head is not None:  # the head returned the summed loss as the "logits"
+            if head.calls != 1 or logits.dim() != 0:
+                raise ConfigError(
+                    f"model.loss_cfg.chunked_loss: the plan of {self._model_name} names "
+                    f"{plan_of(self.model).output_head} as its output head, but the forward called it "
+                    f"{head.calls} times and returned .logits of shape {tuple(logits.shape)} (expected one "
+                    "call whose output is returned unchanged); correct ModelPlan.output_head, or set "
+                    "model.loss_cfg.chunked_loss: false"
+                )
+            s = logits
+        else:
+            s = loss_sum(logits, targets, loss_type)
         return self._add_router_loss(s * scale.to(s.dtype), out, batch), s.detach()
 
     def _call_model(self, batch: dict[str, Any], **kwargs: Any) -> Any:
@@ -362,7 +389,12 @@ class Trainer:
         # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
         # model FLOPs of every rank
         loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
-        for batch, targets, _, tokens in prepared:
+        # HSDP and DDP layouts: the replicas' all-reduce runs once per step, after the last micro-batch; the
+        # ones before keep their reduce-scattered gradients (no extra memory) and join it then
+        replicas = self.model if self.state.sizes.dp_replicate > 1 and len(prepared) > 1 else None
+        for i, (batch, targets, _, tokens) in enumerate(prepared):
+            if isinstance(replicas, FSDPModule):
+                replicas.set_requires_all_reduce(i == len(prepared) - 1)
             loss, contrib = self._forward_loss(batch, targets, scale, tokens)
             loss.backward()
             loss_acc[0] += contrib.double()
