@@ -52,6 +52,10 @@ class FSDPPlan(Block):
     num_to_backward_prefetch: int = Field(0, ge=0)
     pregather: bool = False
     cpu_offload: bool = False
+    #: with gradient accumulation: true reduce-scatters each micro-batch's gradients (they stay sharded);
+    #: false accumulates them unsharded and reduce-scatters once per step, after the last micro-batch (less
+    #: communication, the memory of every unit's unsharded gradients; what Hugging Face's Trainer does)
+    reduce_scatter_per_micro_batch: bool = True
 
 
 class EPPlan(Block):

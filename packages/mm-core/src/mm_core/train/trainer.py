@@ -341,6 +341,18 @@ class Trainer:
             return loss
         return loss + share * (self.router_aux.coef * self._aux_scale)
 
+    def _defer_gradient_reduction(self, *, last: bool) -> None:
+        """Before each micro-batch's backward: HSDP and DDP layouts all-reduce across replicas once per step,
+        after the last micro-batch (the ones before keep their reduce-scattered gradients, no extra memory);
+        with ``parallel.fsdp_plan.reduce_scatter_per_micro_batch: false`` the reduce-scatter waits as well."""
+        model = self.model
+        if not isinstance(model, FSDPModule) or self.cfg.training.grad_accum == 1:
+            return
+        if not self.cfg.parallel.fsdp_plan.reduce_scatter_per_micro_batch:
+            model.set_requires_gradient_sync(last)
+        elif self.state.sizes.dp_replicate > 1:
+            model.set_requires_all_reduce(last)
+
     def _throughput(self, flops: float, seconds: float) -> dict[str, float]:
         """``tflops_per_s`` per device of a step of ``flops`` model FLOPs (all ranks) and, when the device's
         peak is known (``tools.peak_tflops`` or mm's table), ``mfu`` (see :mod:`mm_core.train.flops`)."""
@@ -389,12 +401,8 @@ class Trainer:
         # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
         # model FLOPs of every rank
         loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
-        # HSDP and DDP layouts: the replicas' all-reduce runs once per step, after the last micro-batch; the
-        # ones before keep their reduce-scattered gradients (no extra memory) and join it then
-        replicas = self.model if self.state.sizes.dp_replicate > 1 and len(prepared) > 1 else None
         for i, (batch, targets, _, tokens) in enumerate(prepared):
-            if isinstance(replicas, FSDPModule):
-                replicas.set_requires_all_reduce(i == len(prepared) - 1)
+            self._defer_gradient_reduction(last=i == len(prepared) - 1)
             loss, contrib = self._forward_loss(batch, targets, scale, tokens)
             loss.backward()
             loss_acc[0] += contrib.double()
