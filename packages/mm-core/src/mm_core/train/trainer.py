@@ -271,9 +271,9 @@ class Trainer:
         loss_type = self.cfg.model.loss_cfg.loss_type
         head = self.chunked_head if targets is not None else None
         chunked = (
-            head.computing_loss(targets, loss_weights(targets, loss_type))
-            if head is not None and targets is not None
-            else nullcontext()
+            nullcontext()
+            if head is None or targets is None
+            else head.computing_loss(targets, loss_weights(targets, loss_type))
         )
         with chunked:
             out, flops = self.flops.forward_flops(
