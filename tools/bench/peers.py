@@ -176,7 +176,7 @@ def _run_hf(kind: str, spec: dict[str, Any], result: dict[str, Any]) -> None:
         TrainingArguments,
     )
 
-    blocks = torch.load(spec["blocks"])
+    blocks = torch.load(spec["blocks"], weights_only=True)
 
     class Blocks(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         def __len__(self) -> int:

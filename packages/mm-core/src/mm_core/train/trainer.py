@@ -99,11 +99,9 @@ class Trainer:
         check_run_outputs(cfg, self.out_dir, self.load_path)  # another run's outputs, dataset folders
         self.model = self._build_model()
         self._model_name = type(self.model).__name__
-        head_path, note = chunked_loss_plan(self.model, cfg)
+        head_path, chunked_note = chunked_loss_plan(self.model, cfg)
         head = self.model.get_submodule(head_path) if head_path else None
         self.chunked_head = head if isinstance(head, ChunkedLossHead) else None
-        if cfg.model.loss_cfg.chunked_loss and cfg.model.loss_cfg.loss_type != "raw":
-            self._info(note)
         self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
         self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self._info)
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
@@ -152,6 +150,8 @@ class Trainer:
             else None
         )
         self._resume()
+        if cfg.model.loss_cfg.chunked_loss and cfg.model.loss_cfg.loss_type != "raw":
+            self._info(chunked_note)  # once set up: a run that fails to start prints only its error
         return self
 
     def _build_model(self) -> nn.Module:
