@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import set_rank_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {
@@ -48,13 +47,7 @@ def _dir_mb(path: Path) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(REPO)
@@ -137,12 +130,8 @@ def main() -> None:
     if args.dir is None:
         tmp = tempfile.mkdtemp(prefix="mm-ckpt-bench-")
         args.dir = tmp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
     try:
-        mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+        out = spawn_ranks(_worker, args.nproc, args)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

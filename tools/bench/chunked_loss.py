@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import MiB, _free_port, _worker, overrides  # noqa: E402  (the bench folder's shared worker)
+from _ranks import free_port  # noqa: E402  (the bench folder's shared helpers)
+from memory import MiB, _worker, overrides  # noqa: E402
 
 
 def model_dir(vocab: int, hidden: int) -> Path:
@@ -54,7 +55,7 @@ def run(args: list[str]) -> dict:
         result = os.path.join(tmp, "result.json")
         out = [*args, f"training.output_dir={tmp}/run"]
         mp.start_processes(
-            _worker, args=(1, _free_port(), out, result), nprocs=1, start_method="spawn", join=True
+            _worker, args=(1, free_port(), out, result), nprocs=1, start_method="spawn", join=True
         )
         return json.loads(Path(result).read_text(encoding="utf-8"))[0]
 

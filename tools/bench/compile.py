@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,19 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import set_rank_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(REPO)
@@ -97,12 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per timed block")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+    out = spawn_ranks(_worker, args.nproc, args)
     eager, compiled = statistics.median(out["eager"]), statistics.median(out["compiled"])
     print(f"layout: {out['layout']}, {args.rounds} alternating rounds of {args.steps} steps, median tokens/s")
     print(f"first compiled step (compilation included): {out['first_step_s']:.1f} s")

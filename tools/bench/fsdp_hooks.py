@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from _ranks import free_port, set_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
@@ -114,10 +114,7 @@ def overrides(args: argparse.Namespace, out: str) -> list[str]:
 def _worker(
     rank: int, world: int, port: int, config: str, extra: list[str], warmup: int, result: str
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )  # fmt: skip
+    set_rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
@@ -160,13 +157,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_row(config: Path, extra: list[str], args: argparse.Namespace) -> dict[str, float]:
     import torch.multiprocessing as mp
 
@@ -174,7 +164,7 @@ def run_row(config: Path, extra: list[str], args: argparse.Namespace) -> dict[st
         result = os.path.join(tmp, "result.json")
         mp.start_processes(
             _worker,
-            args=(args.nproc, _free_port(), str(config), overrides(args, tmp) + extra, args.warmup, result),
+            args=(args.nproc, free_port(), str(config), overrides(args, tmp) + extra, args.warmup, result),
             nprocs=args.nproc,
             start_method="spawn",
             join=True,

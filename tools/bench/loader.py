@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import set_rank_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 ARMS = ("loader", "memory")
@@ -117,15 +116,8 @@ def _loader_cpu_ms(trainer: Any, batches: int) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TOKENIZERS_PARALLELISM="false",  # one thread per process, loader workers included
-        OMP_NUM_THREADS="1",
-    )
+    # one thread per process, loader workers included
+    set_rank_env(rank, world, port, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(REPO)
@@ -238,12 +230,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw figures to this file")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+    out = spawn_ranks(_worker, args.nproc, args)
     ranks = out["ranks"]
     # a step ends when the slowest rank ends (the barriers make every rank's block time that of the slowest)
     loader_t, memory_t = ranks[0]["loader"], ranks[0]["memory"]

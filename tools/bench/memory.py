@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _ranks import free_port, set_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
@@ -93,10 +94,7 @@ def overrides(model: Path, steps: int, seq: int, micro: int, out: str) -> list[s
 
 
 def _worker(rank: int, world: int, port: int, args: list[str], result: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )  # fmt: skip
+    set_rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
@@ -129,12 +127,6 @@ def _worker(rank: int, world: int, port: int, args: list[str], result: str) -> N
     if rank == 0:
         Path(result).write_text(json.dumps(everyone), encoding="utf-8")
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def estimate(args: list[str], world: int) -> float:
@@ -178,7 +170,7 @@ def main() -> None:
             t0 = time.perf_counter()
             mp.start_processes(
                 _worker,
-                args=(world, _free_port(), args, result),
+                args=(world, free_port(), args, result),
                 nprocs=world,
                 start_method="spawn",
                 join=True,

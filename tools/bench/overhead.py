@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import set_rank_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,13 +40,7 @@ def _minimal_step(model, optimizer, micro_batches, clip):
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(REPO)
@@ -106,12 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per timed block")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+    out = spawn_ranks(_worker, args.nproc, args)
     mm_tps, min_tps = statistics.median(out["mm"]), statistics.median(out["minimal"])
     print(f"layout: {out['layout']}, {args.rounds} alternating rounds of {args.steps} steps, median tokens/s")
     print("| loop | tokens/s (median) | per round |")

@@ -59,7 +59,6 @@ import os
 import re
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from _ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
@@ -368,13 +369,6 @@ def worker(kind: str, spec_path: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------- driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _make_model(root: Path, layers: int) -> tuple[Path, int]:
     """config.json plus random fp32 weights (hf-fsdp2 loads them); returns the folder and the parameters."""
     import torch
@@ -452,7 +446,7 @@ def _run_peer(kind: str, python: str, spec: dict[str, Any], root: Path) -> dict[
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     cmd += [str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     # glibc returns freed memory at once, so RSS follows live tensors rather than each allocator's cache
