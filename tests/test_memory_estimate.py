@@ -110,3 +110,36 @@ def test_memory_plans_resolve_defaults_and_refuse_bad_values():
     )
     feats = plan_memory_features(model, split)
     assert feats.offload == ["model.layers.2", "model.layers.3"]
+
+
+def test_estimate_of_a_model_with_towers_is_its_language_model_s():
+    """A vision-language model's activation estimate is that of its language model (the text config's
+    sizes; recomputed tower blocks do not count as decoder layers), and ``model_parts`` lists each tower."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from mm_core.parallel.estimate import model_parts
+
+    cfg = _cfg()
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    text.update(num_key_value_heads=2, head_dim=16, vocab_size=320)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    vision.update(deepstack_visual_indexes=[1])
+    with torch.device("meta"):
+        vlm = Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(
+                text_config={**text, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+                vision_config=vision,
+            )
+        )
+        lm = Qwen3ForCausalLM(Qwen3Config(**text))
+    recompute = ["model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0"]
+    got = estimate_activations(vlm, cfg, recompute, [])
+    assert got[0] > 0
+    assert got == estimate_activations(lm, cfg, ["model.layers.0"], [])
+    parts = {p.name: p for p in model_parts(vlm, recompute, 2, 2)}
+    assert set(parts) == {"model.visual", "model.language_model", "lm_head"}
+    assert parts["model.visual"].units == 2 and parts["model.language_model"].units == 1
+    assert sum(p.params for p in parts.values()) == sum(p.numel() for p in vlm.parameters())
+    assert (
+        parts["model.visual"].states == 4 * 4 * parts["model.visual"].params / 2
+    )  # params, grads, 2 moments

@@ -18,10 +18,10 @@ from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub
 from mm_core.models.nograd import describe_frozen, describe_probe, probe_gradients
 from mm_core.models.plan import plan_of
-from mm_core.optim.factory import describe_optimizer
+from mm_core.optim.factory import describe_optimizer, optimizer_plugin
 from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
 from mm_core.parallel.compile import CompilePlan, plan_compile
-from mm_core.parallel.estimate import estimate_breakdown
+from mm_core.parallel.estimate import estimate_breakdown, model_parts
 from mm_core.parallel.memory import chunked_loss_plan, describe_features, hook_groups, plan_memory_features
 from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.preflight import run_preflight
@@ -202,6 +202,13 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False, probe_grad
         f"gathered units {mem.gathered / GiB:.3f} + activations {mem.activations / GiB:.3f} + backward "
         f"transient {mem.transient / GiB:.3f} (see docs/memory.md)"
     )
+    moments = optimizer_plugin(tcfg.optimizer).states_per_param
+    for part in model_parts(model, units, sizes.fsdp, moments):
+        frozen_note = f", {part.params - part.trainable:,} frozen" if part.trainable < part.params else ""
+        out(
+            f"  {part.name:<30} {part.params:>14,} params{frozen_note}, {part.units} FSDP unit(s), "
+            f"states {part.states / 2**20:,.1f} MiB/rank"
+        )
     lines = describe_optimizer(model, tcfg, plan_of(model))
     out(f"optimizer   : {lines[0]}")
     for line in lines[1:]:

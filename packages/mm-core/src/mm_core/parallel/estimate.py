@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -84,12 +85,36 @@ def _layer_activation_bytes(config, tokens: int, itemsize: int, qk_norm: bool) -
     return tokens * per_token * itemsize, tokens * h * itemsize, kept_selective
 
 
+def _text_config(model: nn.Module) -> Any:
+    """The decoder's configuration: the text config of a model with towers (vision, audio), else the
+    model's own."""
+    config: Any = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
+def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
+    """The name of the decoder's layer list: the ``...layers`` list of ``n_layers`` modules, the language
+    model's when towers have layer lists of their own (an audio encoder's ``layers``)."""
+    lists = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and name.rsplit(".", 1)[-1] == "layers"
+        and len(module) == n_layers
+    ]
+    preferred = [name for name in lists if "language_model" in name or "decoder" in name]
+    return (preferred or lists or [None])[0]
+
+
 def estimate_activations(
     model: nn.Module, cfg: MMConfig, recompute: list[str], offload: list[str], device_type: str = "cpu"
 ) -> tuple[float, float]:
     """(saved activations, backward-start transient) in bytes for one micro-batch, or (0, 0) when the model
-    is not a decoder this estimate understands."""
-    config = getattr(model, "config", None)
+    is not a decoder this estimate understands. For a model with towers (vision, audio) this is its
+    language model's: the towers' activations depend on the images and clips of the batch (not included)."""
+    config = _text_config(model)
     needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
     tokens = _tokens_per_micro_batch(cfg)
     if config is None or not all(hasattr(config, k) for k in needed) or not tokens:
@@ -100,8 +125,13 @@ def estimate_activations(
     qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
     layer, layer_input, selective = _layer_activation_bytes(config, tokens, itemsize, qk_norm)
     n_layers = config.num_hidden_layers
-    n_recomputed = sum(1 for n in recompute if _LAYER.search(n))
-    n_offloaded = sum(1 for n in offload if _LAYER.search(n)) if device_type != "cpu" else 0
+    layers = _decoder_layers(model, n_layers)
+
+    def in_decoder(names: list[str]) -> int:
+        return sum(1 for n in names if _LAYER.search(n) and (layers is None or n.startswith(layers + ".")))
+
+    n_recomputed = in_decoder(recompute)
+    n_offloaded = in_decoder(offload) if device_type != "cpu" else 0
     kept_recomputed = layer_input + (
         selective if cfg.model.recompute_plan.recompute_granularity == "selective" else 0
     )
@@ -121,6 +151,43 @@ def estimate_activations(
     if itemsize < 4:
         head_pass += chunk * vocab * itemsize + vocab * config.hidden_size * (4 + itemsize)
     return float(acts), float(max(head_pass, layer_grads))
+
+
+@dataclass
+class ModelPart:
+    """One part of a model (a tower, the language model, the head) in the estimate of ``mm check``."""
+
+    name: str
+    params: int
+    trainable: int
+    #: FSDP units inside it
+    units: int
+    #: bytes per rank of its model states (fp32 parameters, gradients, optimizer moments; sharded)
+    states: float
+
+
+def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments: int) -> list[ModelPart]:
+    """The model's parts with parameters: its top-level modules, with a ``model`` that holds several (the
+    audio and vision towers and the language model of a multimodal model) split one level further. A tensor
+    shared by two parts (tied embeddings) counts in the first."""
+    tops = [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
+    parts: list[tuple[str, nn.Module]] = []
+    for name, module in tops:
+        inner = [(f"{name}.{n}", m) for n, m in module.named_children() if any(True for _ in m.parameters())]
+        parts.extend(inner if name == "model" and len(inner) > 1 else [(name, module)])
+    seen: set[int] = set()
+    out = []
+    for name, module in parts:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        if not params:  # e.g. a head tied to the embeddings
+            continue
+        seen.update(id(p) for p in params)
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        units = sum(1 for u in unit_names if u.startswith(name + "."))
+        states = (4 * total + 4 * trainable + 4 * moments * trainable) / fsdp_size
+        out.append(ModelPart(name, total, trainable, units, states))
+    return out
 
 
 def estimate_breakdown(
