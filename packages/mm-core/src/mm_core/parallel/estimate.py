@@ -166,7 +166,7 @@ class ModelPart:
     states: float
 
 
-def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments: int) -> list[ModelPart]:
+def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments: float) -> list[ModelPart]:
     """The model's parts with parameters: its top-level modules, with a ``model`` that holds several (the
     audio and vision towers and the language model of a multimodal model) split one level further. A tensor
     shared by two parts (tied embeddings) counts in the first."""
