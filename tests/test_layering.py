@@ -22,6 +22,7 @@ ORDER = [
     "mm_models_step",
     "mm_data_text",
     "mm_data_vlm",
+    "mm_data_audio",
 ]
 PLUGINS = {
     "mm_models_qwen",
@@ -30,6 +31,7 @@ PLUGINS = {
     "mm_models_step",
     "mm_data_text",
     "mm_data_vlm",
+    "mm_data_audio",
 }
 
 
