@@ -8,6 +8,8 @@ import torch
 
 from mm_core.models import ModelPlan
 
+from ._idle import add_idle, idle_vision_tower
+
 #: ``model.freeze`` patterns for the parts users commonly freeze (see the package README)
 VISION_TOWER = "model.visual"
 PROJECTOR = "model.visual.merger"
@@ -34,30 +36,12 @@ class QwenVLPlans:
     mm_plan: ClassVar[ModelPlan] = QWEN_VL_PLAN
 
     def _idle_vision_tower(self) -> torch.Tensor:
-        """Run the vision tower on a blank minimal image and return 0 × its outputs.
-
-        Under FSDP every rank must run the same units each step; a micro-batch without images would
-        otherwise skip the vision blocks' all-gathers on one rank while another rank waits in them."""
-        visual = self.model.visual  # type: ignore[attr-defined]
-        cfg = visual.config
-        merge = cfg.spatial_merge_size
-        dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-        weight = visual.patch_embed.proj.weight
-        pixels = torch.zeros(merge * merge, dim, dtype=weight.dtype, device=weight.device)
-        grid = torch.tensor([[1, merge, merge]], device=weight.device)
-        out = visual(pixels, grid_thw=grid)
-        total = out.pooler_output.sum()
-        for feature in getattr(out, "deepstack_features", None) or []:
-            total = total + feature.sum()
-        return total * 0.0
+        """0 × the vision tower's outputs on a blank minimal image (see :mod:`._idle`)."""
+        return idle_vision_tower(self.model.visual)  # type: ignore[attr-defined]
 
     def forward(self, *args: Any, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> Any:
         idle = None
         if self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
             idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
         out = super().forward(*args, pixel_values=pixel_values, **kwargs)  # type: ignore[misc]
-        if idle is not None:  # into the loss too: loss_type raw backpropagates the model's own .loss
-            out.logits = out.logits + idle
-            if out.loss is not None:
-                out.loss = out.loss + idle
-        return out
+        return add_idle(out, idle)

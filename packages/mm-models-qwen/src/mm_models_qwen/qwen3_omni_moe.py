@@ -1,0 +1,152 @@
+"""Qwen3-Omni-MoE's thinker (``model.model_id: qwen3_omni_moe``): transformers'
+``Qwen3OmniMoeThinkerForConditionalGeneration`` with mm's plans. Text, images and audio in, text out (the
+talker, which speaks, is not trained here).
+
+The model: a vision tower as Qwen3-VL's (``model.visual``, deepstack features added to the first decoder
+layers), an audio tower as Qwen3-ASR's with its output projection inside (``model.audio_tower``; input
+``input_features`` [audios, 128, frames] + ``feature_attention_mask`` [audios, frames], the ``qwen3_omni``
+format of mm-data-audio) and a mixture-of-experts decoder (``model.language_model``: softmax top-k router
+``mlp.gate``, fused 3-D experts ``mlp.experts``, no shared expert) with 3-D (mRoPE) positions.
+
+Three things differ from calling the transformers class as is, none of them in the weights or the result:
+
+- Tower order. Every training forward runs the vision tower (on the images, else on a blank minimal image,
+  ``0 ×`` its output), then the audio tower (on the audio, else on a blank one-frame clip), then the decoder,
+  whatever the micro-batch holds, so every rank runs the FSDP units in one order (see :mod:`._idle`).
+  transformers runs the audio tower first; the images' features are therefore computed first here and
+  handed to its forward as ``mm_encoder_outputs``.
+- Positions without ``attention_mask``. transformers computes the 3-D positions only when it gets an
+  attention mask; mm's context parallelism sends none (the decoder sees only this rank's rows), so the
+  positions are computed here over the whole sequence as if every token were real: padding comes at the
+  end, so the real tokens keep their positions.
+- A Qwen3-Omni checkpoint folder (``config.json`` of ``model_type: qwen3_omni_moe``, weights under
+  ``thinker.``) loads directly: its ``thinker_config`` is taken, and transformers' own weight renaming of the
+  thinker drops the prefix. Exports are thinker folders, which transformers loads as this class's base.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from transformers import PretrainedConfig
+from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+from mm_core.models import ModelPlan
+
+from ._idle import add_idle, idle_audio_tower, idle_vision_tower
+from ._moe import init_qwen3_omni_moe
+from ._vl import QWEN_VL_PLAN
+from .qwen3_asr import AUDIO_STEM
+
+#: the decoder layers' fused experts and routers
+EXPERTS = "model.language_model.layers.{*}.mlp.experts"
+ROUTERS = "model.language_model.layers.{*}.mlp.gate"
+
+#: Vision blocks, audio encoder layers and decoder layers (attention, router and all experts of a layer
+#: together) are FSDP and recompute units; the stems, projectors, embeddings and head stay in the root unit.
+#: Context parallelism: the towers and the 3-D positions see the whole sequence; mm splits it at the
+#: language model's input, deepstack features (one row per image token) included.
+QWEN3_OMNI_MOE_PLAN = ModelPlan(
+    fsdp_units=(
+        "model.visual.blocks.{*}",
+        "model.audio_tower.layers.{*}",
+        "model.language_model.layers.{*}",
+    ),
+    recompute_units=(
+        "model.visual.blocks.{*}",
+        "model.audio_tower.layers.{*}",
+        "model.language_model.layers.{*}",
+    ),
+    expert_modules=(EXPERTS,),
+    muon_exclude_modules=(*QWEN_VL_PLAN.muon_exclude_modules, *AUDIO_STEM, ROUTERS),
+    cp_split_module=QWEN_VL_PLAN.cp_split_module,
+    cp_packed_inputs=QWEN_VL_PLAN.cp_packed_inputs,
+    output_head="lm_head",
+    init_weights=init_qwen3_omni_moe,
+)
+
+
+def thinker_config(config: Any) -> Any:
+    """The thinker's config of a whole Qwen3-Omni config (``thinker_config``); any other config unchanged."""
+    inner = getattr(config, "thinker_config", None)
+    return inner if isinstance(inner, PretrainedConfig) else config
+
+
+class Qwen3OmniMoeThinkerForTraining(Qwen3OmniMoeThinkerForConditionalGeneration):
+    """Exactly ``Qwen3OmniMoeThinkerForConditionalGeneration`` (same weights and names; exports as that class)
+    plus per-tower default plans: ``model.visual.blocks.{*}``, ``model.audio_tower.layers.{*}`` and
+    ``model.language_model.layers.{*}`` are FSDP units; the experts are the expert-parallel plan; the routers
+    (``mlp.gate``), the patch embedding and the audio stem never take Muon. Freeze the towers with
+    ``model.freeze: [model.visual, model.audio_tower]``.
+
+    Meta-device init: the plan's hook (:func:`._moe.init_qwen3_omni_moe`) initialises the routers and experts,
+    which transformers' ``init_weights()`` does not reach in a subclass, and the expert-parallel adapters."""
+
+    mm_plan: ClassVar[ModelPlan] = QWEN3_OMNI_MOE_PLAN
+
+    @classmethod
+    def _from_config(cls, config: Any, **kwargs: Any) -> Any:
+        return super()._from_config(thinker_config(config), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, config: Any = None, **kwargs: Any) -> Any:
+        return super().from_pretrained(*args, config=thinker_config(config), **kwargs)
+
+    def _idle_vision_tower(self) -> torch.Tensor:
+        """0 × the vision tower's outputs on a blank minimal image."""
+        return idle_vision_tower(self.model.visual)
+
+    def _idle_audio_tower(self) -> torch.Tensor:
+        """0 × the audio tower's output on a blank one-frame clip."""
+        return idle_audio_tower(self, 1)
+
+    def _positions(self, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """The 3-D positions ``[3, batch, seq]`` of the whole sequence, every token taken as real."""
+        mask = inputs.get("feature_attention_mask")
+        lengths = mask.sum(-1) if mask is not None else inputs.get("audio_feature_lengths")
+        positions, _ = self.model.get_rope_index(
+            input_ids,
+            inputs.get("image_grid_thw"),
+            inputs.get("video_grid_thw"),
+            torch.ones_like(input_ids),
+            bool(inputs.get("use_audio_in_video")),
+            lengths,
+            inputs.get("video_second_per_grid"),
+        )
+        return positions
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        *,
+        mm_encoder_outputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        encoders = dict(mm_encoder_outputs or {})
+        if pixel_values is not None:  # vision first: its features go in precomputed
+            grid = kwargs.get("image_grid_thw")
+            encoders["image"] = self.model.get_image_features(pixel_values, grid, return_dict=True)
+        if pixel_values_videos is not None:
+            grid = kwargs.get("video_grid_thw")
+            encoders["video"] = self.model.get_video_features(pixel_values_videos, grid, return_dict=True)
+        idle = None
+        if self.training and torch.is_grad_enabled():
+            if not encoders:
+                idle = self._idle_vision_tower()
+            if input_features is None:
+                audio = self._idle_audio_tower()
+                idle = audio if idle is None else idle + audio
+        given = ("position_ids", "attention_mask", "cache", "past_key_values")
+        if input_ids is not None and all(kwargs.get(k) is None for k in given):
+            kwargs["position_ids"] = self._positions(input_ids, **kwargs)
+        out = super().forward(
+            input_ids=input_ids,
+            input_features=input_features,
+            mm_encoder_outputs=encoders or None,
+            **kwargs,
+        )
+        return add_idle(out, idle)
