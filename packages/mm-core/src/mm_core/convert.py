@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from transformers import PreTrainedModel
 
 from mm_core.checkpoint import CONFIG_FILE, resolve_load_path
 from mm_core.checkpoint.dcp_io import check_shapes, tied_aliases
@@ -230,9 +231,10 @@ def dcp_to_hf(
 
         save_model(model, str(dst / "model.safetensors"))
         return dst
+    # a custom model may define save_pretrained (e.g. a diffusers model: its own folder layout and config)
     save_pretrained(dst, max_shard_size=max_shard_size)
     config_path = dst / "config.json"
-    if config_path.is_file():
+    if config_path.is_file() and isinstance(model, PreTrainedModel):
         conf = json.loads(config_path.read_text(encoding="utf-8"))
         conf["architectures"] = [_hf_base_class_name(model)]
         config_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")

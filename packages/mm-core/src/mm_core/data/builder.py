@@ -40,6 +40,10 @@ class MapDataset(Protocol):
     - ``sample_lengths() -> numpy int array of len(ds)`` — tokens per sample as the collator will see them
       (text tokens, image/audio placeholder tokens included); required by
       ``data.dataloader_param.max_tokens_per_batch``.
+    - ``sample_buckets() -> numpy int array of len(ds)`` — with ``max_tokens_per_batch``, a micro-batch holds
+      samples of one bucket only (e.g. video latents of one shape).
+    - ``set_epoch(epoch)`` — called before each epoch's samples are read (also when resuming), so per-sample
+      randomness can depend on ``(seed, epoch, index)``; needs ``persistent_workers: false`` with workers.
     """
 
     def __len__(self) -> int: ...
@@ -126,6 +130,7 @@ def _budget_sampler(
             f"data: the dataset has {len(dataset)} samples, fewer than the {dp_size} data-parallel ranks "
             f"that each need one per micro-batch ({BUDGET_KEY} is set)"
         )
+    buckets = getattr(dataset, "sample_buckets", None)
     return TokenBudgetBatchSampler(
         lengths,
         dp_size=dp_size,
@@ -136,7 +141,18 @@ def _budget_sampler(
         seed=seed,
         drop_last=dl.drop_last,
         mixing=source_mixing(dataset, dataset_type),
+        buckets=_checked_buckets(buckets(), len(dataset), dataset_type) if callable(buckets) else None,
     )
+
+
+def _checked_buckets(buckets: Any, n: int, dataset_type: str) -> npt.NDArray[np.int64]:
+    values = np.asarray(buckets)
+    if values.shape != (n,) or not np.issubdtype(values.dtype, np.integer):
+        raise ConfigError(
+            f"data.dataset_param.dataset_type: {dataset_type!r}.sample_buckets() gave {values.dtype} values "
+            f"of shape {values.shape}; expected one integer per sample ({n})"
+        )
+    return values.astype(np.int64, copy=False)
 
 
 def build_dataloader(
@@ -158,6 +174,11 @@ def build_dataloader(
     uses."""
     dl = cfg.dataloader_param
     kwargs: dict[str, Any] = {}
+    if dl.num_workers > 0 and dl.persistent_workers and callable(getattr(dataset, "set_epoch", None)):
+        raise ConfigError(
+            f"data.dataloader_param.persistent_workers: dataset {cfg.dataset_param.dataset_type!r} changes "
+            "with the epoch (set_epoch), which workers kept across epochs would not see; set it to false"
+        )
     if dl.num_workers > 0:
         kwargs["persistent_workers"] = dl.persistent_workers
         # ranks that `mm train` starts are spawned, and a spawned process spawns its own workers: each new
@@ -240,6 +261,9 @@ class EpochIterator:
         while True:
             if self._it is None:
                 self.sampler.set_position(self.epoch, self.consumed)
+                set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+                if callable(set_epoch):  # before the iterator starts its workers (a copy of the dataset each)
+                    set_epoch(self.epoch)
                 if self.loader.generator is not None:
                     self.loader.generator.manual_seed(self.sampler.seed * 1_000_003 + self.epoch)
                 self._yielded = 0

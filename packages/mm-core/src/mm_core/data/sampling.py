@@ -244,13 +244,25 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 # ------------------------------------------------------------------------------------ token budget
-def sort_windows(order: torch.Tensor, lengths: torch.Tensor, window: int) -> torch.Tensor:
-    """``order`` with each consecutive ``window`` of it stably sorted by ``lengths[index]`` (ascending)."""
+def sort_windows(
+    order: torch.Tensor, lengths: torch.Tensor, window: int, buckets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``order`` with each consecutive ``window`` of it stably sorted by ``lengths[index]`` (ascending), then
+    by ``buckets[index]`` when given (so the samples of one length and bucket are adjacent)."""
     if window <= 1 or len(order) <= 1:
         return order
     keyed = lengths[order]
+    if buckets is not None:
+        keyed = keyed * (int(buckets.max()) + 1) + buckets[order]
     key = torch.arange(len(order), dtype=torch.int64) // window * (int(keyed.max()) + 1) + keyed
     return order[torch.sort(key, stable=True).indices]
+
+
+def bucket_run_ends(buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """For each position, the end of the run of equal values it belongs to (``buckets`` in batch order)."""
+    n = len(buckets)
+    ends = np.append(np.flatnonzero(np.diff(buckets)) + 1, n).astype(np.int64)
+    return ends[np.searchsorted(ends, np.arange(n), side="right")]
 
 
 def _fit(lengths: npt.NDArray[np.int64], lo: int, budget: int) -> int:
@@ -288,7 +300,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     micro-batch ``k`` — is exact and the same on every rank, and a resume on another ``dp_size`` neither
     repeats nor skips a sample. At the end of the epoch a global micro-batch that cannot give every rank a
     sample is dropped with ``drop_last``; without it each rank left empty reads one sample from the start of
-    the epoch's order (wrapping). ``training.micro_batch_size`` plays no part."""
+    the epoch's order (wrapping). ``training.micro_batch_size`` plays no part.
+
+    With ``buckets`` (one integer per sample, from the dataset's ``sample_buckets()``: e.g. the latent shape
+    of a video clip) a micro-batch never holds two buckets: the windows are sorted by length, then bucket,
+    and a cut also ends where the bucket changes."""
 
     def __init__(
         self,
@@ -302,8 +318,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         seed: int,
         drop_last: bool,
         mixing: SourceMixing | None = None,
+        buckets: npt.NDArray[np.integer[Any]] | None = None,
     ) -> None:
         self.lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+        self.buckets = None if buckets is None else torch.as_tensor(np.asarray(buckets, dtype=np.int64))
+        if self.buckets is not None and self.buckets.shape != self.lengths.shape:
+            raise ValueError(f"{len(self.buckets)} buckets for {len(self.lengths)} samples")
         self.num_samples = len(self.lengths)
         if self.num_samples and int(self.lengths.min()) < 1:
             raise ValueError("every sample length must be at least 1 token")
@@ -323,7 +343,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def global_order(self) -> torch.Tensor:
         """The current epoch's effective order: the global order, sorted by length inside each window."""
         if self._sorted is None or self._sorted[0] != self.epoch:
-            self._sorted = (self.epoch, sort_windows(self.order(self.epoch), self.lengths, self.buffer))
+            order = sort_windows(self.order(self.epoch), self.lengths, self.buffer, self.buckets)
+            self._sorted = (self.epoch, order)
         return self._sorted[1]
 
     def plan(self) -> BatchPlan:
@@ -336,6 +357,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         order = self.global_order()
         lengths = self.lengths[order].numpy()
         n, dp = self.num_samples, self.dp_size
+        # where each position's bucket run ends (a micro-batch stops there); the end of the order without
+        run_end = bucket_run_ends(self.buckets[order].numpy()) if self.buckets is not None else None
         lo: list[int] = []
         hi: list[int] = []
         after = [self.start]
@@ -348,7 +371,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                         f"{BUDGET_KEY}: sample {int(order[pos])} has {int(lengths[pos])} tokens, more than "
                         f"the budget of {self.max_tokens}; raise {BUDGET_KEY} to at least {int(lengths[pos])}"
                     )
-                pos += _fit(lengths, pos, self.max_tokens)
+                pos += _fit(lengths if run_end is None else lengths[: run_end[pos]], pos, self.max_tokens)
                 cuts.append(pos)
             missing = dp + 1 - len(cuts)
             if missing and self.drop_last:

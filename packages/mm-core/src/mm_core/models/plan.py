@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mm_core.errors import ConfigError
 from mm_parallel.moe import ExpertParallelExperts
@@ -58,7 +60,8 @@ class ModelPlan:
     #: ``(input, mask)`` pairs: inputs of that module holding one row per True of the ``[batch, seq]`` mask
     #: input named beside them (e.g. features added at the image tokens); mm keeps this rank's rows
     cp_packed_inputs: tuple[tuple[str, str], ...] = ()
-    #: modules whose weights never take Muon even if 2-D (routers, gates); ``training.muon.exclude`` adds more
+    #: modules (or parameter paths) whose weights never take Muon even if 2-D (routers, gates);
+    #: ``training.muon.exclude`` adds more
     muon_exclude_modules: tuple[str, ...] = ()
     #: the ``nn.Linear`` whose output the forward returns as ``.logits`` unchanged (no scaling or soft-capping
     #: after it), called once per forward, e.g. ``"lm_head"``: mm computes the loss there in chunks
@@ -67,6 +70,19 @@ class ModelPlan:
     #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
     #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
     init_weights: Callable[[nn.Module], None] | None = None
+    #: ``count(model, batch)``: this rank's input tokens of a collated micro-batch (a 0-dim tensor), for the
+    #: ``tokens`` metrics and FLOPs of a model whose batch has no ``input_ids`` (e.g. video latents: frames ×
+    #: patches; its share of them under a context parallelism the model splits itself). None: the
+    #: ``attention_mask`` ones, else every position of ``input_ids``
+    count_tokens: Callable[[nn.Module, Mapping[str, Any]], torch.Tensor] | None = None
+    #: ``hook(model, cp_mesh)`` for a model that splits its own sequence under context parallelism (e.g. a
+    #: diffusion transformer, whose tokens exist only after patchify): called once, when ``cp > 1``, with the
+    #: context-parallel ``DeviceMesh`` (dims ``ring`` and ``ulysses``). mm then neither switches the attention
+    #: nor splits the batch (every rank of a context-parallel group gets the same micro-batch) and trains on
+    #: the model's own ``.loss`` (``loss_type: raw``): its mean over all ranks must be the global loss, with
+    #: gradients through the model's own collectives (FSDP averages over ``dp_shard × cp``). None: mm splits
+    #: the batch (see ``cp_split_module``)
+    context_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
 
     def __post_init__(self) -> None:
         for name in _PATTERN_FIELDS:
@@ -97,8 +113,12 @@ class ModelPlan:
                 f"ModelPlan.expert_adapter: {adapter!r} is not a subclass of "
                 "mm_parallel.moe.ExpertParallelExperts"
             )
-        if self.init_weights is not None and not callable(self.init_weights):
-            raise TypeError(f"ModelPlan.init_weights: {self.init_weights!r} is not callable")
+        for hook_name in ("init_weights", "count_tokens", "context_parallel"):
+            hook = getattr(self, hook_name)
+            if hook is not None and not callable(hook):
+                raise TypeError(f"ModelPlan.{hook_name}: {hook!r} is not callable")
+        if self.context_parallel is not None and (self.cp_split_module or self.cp_packed_inputs):
+            raise ValueError("ModelPlan.context_parallel (the model splits itself) excludes cp_split_module")
 
     @property
     def cp_packed(self) -> dict[str, str]:
@@ -115,8 +135,12 @@ class ModelPlan:
         cp = self.cp_split_module or "- (the batch is split before the model)"
         if self.cp_packed_inputs:
             cp += "; packed " + ", ".join(f"{i} by {m}" for i, m in self.cp_packed_inputs)
-        hook = self.init_weights
-        init = f"{hook.__module__}.{getattr(hook, '__qualname__', hook)}" if hook is not None else "-"
+
+        def named(hook: Callable[..., Any] | None) -> str:
+            return f"{hook.__module__}.{getattr(hook, '__qualname__', hook)}" if hook is not None else "-"
+
+        if self.context_parallel is not None:
+            cp = f"- (the model splits itself: {named(self.context_parallel)})"
         return [
             f"  fsdp_units            {patterns(self.fsdp_units)}",
             f"  recompute_units       {patterns(self.recompute_units)}",
@@ -125,7 +149,7 @@ class ModelPlan:
             f"  cp_split_module       {cp}",
             f"  muon_exclude_modules  {patterns(self.muon_exclude_modules)}",
             f"  output_head           {self.output_head or '- (loss from the full logits)'}",
-            f"  init_weights          {init}",
+            f"  init_weights          {named(self.init_weights)}",
         ]
 
 

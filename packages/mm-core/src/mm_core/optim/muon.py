@@ -63,8 +63,12 @@ def muon_plan(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = No
                 f"model ({{*}} is one integer component, * any text inside one component).{hint}"
             )
     modules = dict(model.named_modules())
-    # the model's defaults may name modules that this configuration of the model does not have
+    # the model's defaults may name modules that this configuration of the model does not have; like the
+    # YAML's, they may also name parameters that sit directly on a module (a DiT block's modulation table)
     model_default = list((plan or ModelPlan()).muon_exclude_modules)
+    for pattern in model_default:
+        if pattern not in name_patterns and any(ModulePattern(pattern).matches(n) for n in param_names):
+            name_patterns.append(pattern)
     try:
         matched = match_modules(model, model_default, allow_empty=True)
     except PatternError as exc:

@@ -88,9 +88,18 @@ def register_attention() -> str:
 
 
 def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> None:
-    """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention."""
+    """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention (a model
+    that splits its own sequence, ``ModelPlan.context_parallel``, is only checked: it trains on its own
+    loss)."""
     key = "ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size"
     loss_type = cfg.model.loss_cfg.loss_type
+    if plan_of(model).context_parallel is not None:
+        if loss_type != "raw":
+            raise ConfigError(
+                f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 the model "
+                f"{cfg.model.model_id!r} splits its own sequence and computes its own loss; use raw"
+            )
+        return
     if loss_type not in ("per_token_loss", "default"):  # "default" is per_token_loss
         raise ConfigError(
             f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 each rank holds part of "
@@ -209,11 +218,16 @@ class ContextParallel:
 
     @classmethod
     def build(cls, model: nn.Module, cfg: MMConfig, state: ParallelState) -> ContextParallel | None:
-        """Switch ``model`` to the context-parallel attention when ``cp > 1``; None otherwise."""
+        """Switch ``model`` to the context-parallel attention when ``cp > 1``; None otherwise, and for a model
+        that splits its own sequence (``ModelPlan.context_parallel``: it is handed the context-parallel
+        mesh)."""
         if state.sizes.cp == 1:
             return None
         use_context_parallel_attention(model, cfg, state.sizes)
         plan = plan_of(model)
+        if plan.context_parallel is not None:  # the model splits its own sequence: mm passes the whole batch
+            plan.context_parallel(model, state.cp_mesh)
+            return None
         path = plan.cp_split_module
         towers = [name for name in getattr(model.config, "sub_configs", {}) if name != "text_config"]
         if not towers or not path:

@@ -235,7 +235,7 @@ class Trainer:
         a parallel layout belongs here, after the shift (so no target crosses a split)."""
         loss_type = self.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.state.device, self.float_dtype)
-        if loss_type == "raw":  # (context parallel refuses raw: see mm_core.parallel.context)
+        if loss_type == "raw":  # (context parallel: only a model that splits itself, see ModelPlan)
             return batch, None, self._zero, self._count_tokens(batch)
         if "labels" not in batch:
             raise DataError(
@@ -252,7 +252,11 @@ class Trainer:
         return batch, targets, count_units(targets, loss_type).to(torch.float64), tokens
 
     def _count_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Input tokens of a micro-batch (attention-mask ones, else every position), on the device."""
+        """Input tokens of a micro-batch (the model plan's count, else attention-mask ones, else every
+        position), on the device."""
+        count = plan_of(self.model).count_tokens
+        if count is not None:
+            return count(self.model, batch).to(self._zero)
         mask = batch.get("attention_mask")
         if mask is not None:
             return mask.sum(dtype=torch.float64)
@@ -266,7 +270,8 @@ class Trainer:
         loss units, or the raw loss)."""
         moe = {"output_router_logits": True} if self.router_aux is not None else {}
         layout = batch.get(LAYOUT_KWARG)
-        context = layout.segments.shape[1] if layout is not None else batch["input_ids"].shape[1]
+        ids = batch.get("input_ids")  # none in a batch of video latents: no text attention to count
+        context = layout.segments.shape[1] if layout is not None else ids.shape[1] if ids is not None else 0
         vision_share = 1.0 / self.state.sizes.cp if self.context and self.context.split_module else 1.0
         loss_type = self.cfg.model.loss_cfg.loss_type
         head = self.chunked_head if targets is not None else None

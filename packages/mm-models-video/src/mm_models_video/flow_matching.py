@@ -1,0 +1,146 @@
+"""The rectified-flow (flow matching) objective of video diffusion transformers, drawn per sample from a seed.
+
+For clean latents ``x0`` and Gaussian ``noise`` at noise level ``σ ∈ [0, 1]`` the model sees
+``x_t = σ·noise + (1 − σ)·x0`` at timestep ``1000·σ`` and predicts the velocity ``noise − x0``; the loss is
+the mean squared error between prediction and target, optionally weighted per sample.
+
+**Sampling σ.** A base value ``u`` is uniform on [0, 1] (``timestep_sampling: uniform``) or
+``sigmoid(N(logit_mean, logit_std²))`` (``logit_normal``, as in Stable Diffusion 3), then shifted
+``σ = shift·u / (1 + (shift − 1)·u)`` (Wan's ``shift``/``flow_shift``: more steps at high noise for large
+resolutions; ``shift: 1`` leaves ``u``). The distribution can be cut to ``[low, high)``: one expert of
+Wan2.2 A14B trains only on its own noise levels. The cut is exact, by inverse transform:
+``σ = F⁻¹(F(low) + v·(F(high) − F(low)))`` with ``v`` uniform and ``F`` the distribution function of σ,
+so no draw is rejected and one ``v`` gives one σ.
+
+**Seeds.** Every sample carries an integer ``noise_seed`` (from the dataset: derived from the training
+seed, the epoch and the sample index, see ``mm_data_video``). A CPU generator seeded with it draws ``v`` and
+then the noise, so a sample gets the same σ and noise whatever the number of ranks, the micro-batch it
+lands in, the device, or whether the run was resumed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mm_core.errors import ConfigError
+
+SAMPLINGS = ("uniform", "logit_normal")
+WEIGHTINGS = ("none", "cosmap")
+#: ``timestep = TIMESTEP_SCALE · σ`` (diffusers' ``num_train_timesteps``)
+TIMESTEP_SCALE = 1000.0
+
+
+@dataclass(frozen=True)
+class FlowMatching:
+    """How σ is drawn and how samples are weighted (``model.config_overrides.flow_matching``)."""
+
+    timestep_sampling: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0
+    weighting: str = "none"
+    #: σ is drawn from ``[low, high)`` only (one expert's range); the whole range by default
+    low: float = 0.0
+    high: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.timestep_sampling not in SAMPLINGS:
+            raise ValueError(
+                f"timestep_sampling: got {self.timestep_sampling!r}; accepted: {', '.join(SAMPLINGS)}"
+            )
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting: got {self.weighting!r}; accepted: {', '.join(WEIGHTINGS)}")
+        if not (math.isfinite(self.shift) and self.shift > 0):
+            raise ValueError(f"shift: got {self.shift!r}; expected a number greater than 0")
+        if not (math.isfinite(self.logit_std) and self.logit_std > 0) or not math.isfinite(self.logit_mean):
+            raise ValueError(
+                f"logit_mean/logit_std: got {self.logit_mean!r}/{self.logit_std!r}; expected finite numbers, "
+                "logit_std > 0"
+            )
+        if not 0.0 <= self.low < self.high <= 1.0:
+            raise ValueError(f"the σ range [{self.low}, {self.high}) must satisfy 0 <= low < high <= 1")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None, key: str) -> FlowMatching:
+        """Read the YAML mapping at ``key`` (unknown keys and bad values are ConfigErrors naming the key)."""
+        options = dict(options or {})
+        names = ("timestep_sampling", "logit_mean", "logit_std", "shift", "weighting")
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: unknown key; accepted keys: {', '.join(names)}")
+        for name in ("logit_mean", "logit_std", "shift"):
+            value = options.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{key}.{name}: got {value!r}; expected a number")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+    # ------------------------------------------------------------------------------ the σ distribution
+    def _shift(self, u: torch.Tensor) -> torch.Tensor:
+        return self.shift * u / (1.0 + (self.shift - 1.0) * u)
+
+    def _unshift(self, sigma: torch.Tensor) -> torch.Tensor:
+        return sigma / (self.shift - (self.shift - 1.0) * sigma)
+
+    def cdf(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``P(σ <= sigma)`` before the cut to ``[low, high)`` (float64)."""
+        u = self._unshift(sigma.double())
+        if self.timestep_sampling == "uniform":
+            return u
+        return torch.special.ndtr((torch.logit(u) - self.logit_mean) / self.logit_std)
+
+    def quantile(self, p: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`cdf` (float64)."""
+        p = p.double()
+        if self.timestep_sampling == "uniform":
+            u = p
+        else:
+            u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(p))
+        return self._shift(u)
+
+    def sigma_of(self, v: torch.Tensor) -> torch.Tensor:
+        """σ for uniform ``v`` in [0, 1), within ``[low, high)``."""
+        lo, hi = self.cdf(torch.tensor(self.low)), self.cdf(torch.tensor(self.high))
+        return self.quantile(lo + v.double() * (hi - lo)).clamp(self.low, self.high)
+
+    # ----------------------------------------------------------------------------------- the draws
+    def draw(self, seed: int, shape: Sequence[int]) -> tuple[float, torch.Tensor]:
+        """σ and float32 noise of ``shape`` for one sample, from a CPU generator seeded with ``seed``."""
+        g = torch.Generator()
+        g.manual_seed(int(seed))
+        v = torch.rand((), generator=g, dtype=torch.float64)
+        noise = torch.randn(tuple(shape), generator=g, dtype=torch.float32)
+        return float(self.sigma_of(v)), noise
+
+    def weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Per-sample loss weights (``cosmap``: ``2 / (π (1 − 2σ + 2σ²))``, Stable Diffusion 3)."""
+        if self.weighting == "cosmap":
+            return 2.0 / (math.pi * (1.0 - 2.0 * sigma + 2.0 * sigma**2))
+        return torch.ones_like(sigma)
+
+    def noised(
+        self, latents: torch.Tensor, seeds: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, sigmas, target)`` for a batch of clean ``latents`` [B, ...] and one seed per sample:
+        ``x_t`` in the dtype of ``latents``, ``sigmas`` [B] and ``target = noise − x0`` in float32."""
+        if len(seeds) != latents.shape[0]:
+            raise ValueError(f"{len(seeds)} noise seeds for a batch of {latents.shape[0]} samples")
+        draws = [self.draw(s, latents.shape[1:]) for s in seeds]
+        sigmas = torch.tensor([d[0] for d in draws], dtype=torch.float32, device=latents.device)
+        noise = torch.stack([d[1] for d in draws]).to(latents.device)
+        x0 = latents.float()
+        s = sigmas.view(-1, *([1] * (latents.dim() - 1)))
+        x_t = s * noise + (1.0 - s) * x0
+        return x_t.to(latents.dtype), sigmas, noise - x0
+
+    def loss(self, prediction: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """The mean over samples of each sample's weighted mean squared error (float32)."""
+        per_sample = (prediction.float() - target).square().flatten(1).mean(dim=1)
+        return (per_sample * self.weight(sigmas)).mean()
