@@ -23,6 +23,9 @@ ORDER = [
     "mm_data_text",
     "mm_data_vlm",
     "mm_data_audio",
+    "mm_models_funasr",
+    "mm_models_video",
+    "mm_data_video",
 ]
 PLUGINS = {
     "mm_models_qwen",
@@ -32,6 +35,9 @@ PLUGINS = {
     "mm_data_text",
     "mm_data_vlm",
     "mm_data_audio",
+    "mm_models_funasr",
+    "mm_models_video",
+    "mm_data_video",
 }
 
 

@@ -18,6 +18,11 @@ PACKAGES = {
     "mm-models-minimax": ("mm_models_minimax", {"mm-core"}),
     "mm-models-step": ("mm_models_step", {"mm-core"}),
     "mm-data-text": ("mm_data_text", {"mm-core"}),
+    "mm-data-vlm": ("mm_data_vlm", {"mm-core"}),
+    "mm-data-audio": ("mm_data_audio", {"mm-core"}),
+    "mm-models-funasr": ("mm_models_funasr", {"mm-core"}),
+    "mm-models-video": ("mm_models_video", {"mm-core"}),
+    "mm-data-video": ("mm_data_video", {"mm-core"}),
 }
 
 
