@@ -1,5 +1,6 @@
 """``audio``: batch audio (+ image) samples of ``audio_sft`` / ``asr_manifest`` with any number of clips per
-sample, for every audio format of mm-data-audio."""
+sample, for every audio format of mm-data-audio. The padding of the token fields is mm-core's
+(:mod:`mm_core.data.collate`, shared with the text and image collators)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,17 @@ from typing import Any
 
 import torch
 
-from mm_core.data.params import COLLATE, anything, boolean, optional_positive_int, read_params
-from mm_core.errors import ConfigError, DataError
-from mm_core.train.loss import IGNORE_INDEX
+from mm_core.data.collate import COLLATE_FIELDS, META_FIELDS, Padding, meta_fields, pad_tokens
+from mm_core.data.params import COLLATE
+from mm_core.errors import ConfigError
 
 from .formats import AudioFormat
 from .images import IMAGE_FIELDS
 
-COLLATE_FIELDS = {
-    "collator_id": anything(None),
-    "model_name": anything(None),
-    "ignore_pad_token_for_loss": boolean(True),
-    "pad_to_multiple_of": optional_positive_int(None),
-}
+__all__ = ["COLLATE_FIELDS", "META_FIELDS", "TOKEN_FIELDS", "AudioCollator"]
 
 #: per-token fields, right-padded to the batch's width
 TOKEN_FIELDS = ("input_ids", "labels")
-#: per-sample bookkeeping
-META_FIELDS = ("sample_id", "skipped_samples")
 
 
 class AudioCollator:
@@ -38,7 +32,7 @@ class AudioCollator:
     ``on_error: skip``) an int."""
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
-        params = read_params(collate_param, COLLATE_FIELDS, COLLATE)
+        self.padding = Padding.read(collate_param, dataset)
         fmt = getattr(dataset, "format", None)
         if not isinstance(fmt, AudioFormat):
             raise ConfigError(
@@ -46,25 +40,10 @@ class AudioCollator:
                 f"asr_manifest), which knows the model's audio format; got {type(dataset).__name__}"
             )
         self.format = fmt
-        self.pad_to_multiple_of: int | None = params["pad_to_multiple_of"]
-        self.pad_token_id = int(getattr(dataset, "pad_token_id", 0) or 0)
-        self.label_pad_id = IGNORE_INDEX if params["ignore_pad_token_for_loss"] else self.pad_token_id
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not features:
-            raise DataError("collate: got an empty list of samples")
-        lengths = [int(f["input_ids"].shape[-1]) for f in features]
-        width = max(lengths)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(features)
-        pads = {"input_ids": self.pad_token_id, "labels": self.label_pad_id}
-        batch: dict[str, Any] = {k: torch.full((b, width), pads[k], dtype=torch.long) for k in TOKEN_FIELDS}
-        batch["attention_mask"] = torch.zeros((b, width), dtype=torch.long)
-        for row, (f, n) in enumerate(zip(features, lengths)):
-            for k in TOKEN_FIELDS:
-                batch[k][row, :n] = f[k]
-            batch["attention_mask"][row, :n] = 1
+        pads = {"input_ids": self.padding.pad_token_id, "labels": self.padding.label_pad_id}
+        batch: dict[str, Any] = pad_tokens(features, pads, self.padding)
         for key in IMAGE_FIELDS:
             parts = [f[key] for f in features if key in f]
             if parts:
@@ -74,6 +53,5 @@ class AudioCollator:
         audio = [a for a in audio if a]
         if audio:
             batch.update(self.format.collate(audio))
-        batch["sample_id"] = torch.tensor([int(f.get("sample_id", -1)) for f in features], dtype=torch.long)
-        batch["skipped_samples"] = sum(int(f.get("skipped_samples", 0)) for f in features)
+        batch.update(meta_fields(features))
         return batch

@@ -46,6 +46,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
 
 from .audio import audio_info, check_audio, load_audio
@@ -275,26 +276,13 @@ class AudioDataset(torch.utils.data.Dataset):
         return len(self.records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"sample {index} out of range for {n} samples")
-        index %= n
-        for tries in range(n):
-            try:
-                sample = self.encode((index + tries) % n)
-            except DataError as e:
-                if self.on_error != "skip":
-                    raise
-                self.skipped += 1
-                self.first_skip = self.first_skip or str(e)
-                logger.warning("%s: skipping a record (on_error: skip): %s", self.NAME, e)
-                continue
-            sample["skipped_samples"] = tries
-            return sample
-        raise DataError(
-            f"{self.NAME}: every record failed to load (data.dataset_param.on_error: skip); first: "
-            + (self.first_skip or "?")
-        )
+        return fetch_skipping(self.NAME, index, len(self), self.encode, self.on_error, self._skipped, logger)
+
+    def _skipped(self, error: DataError) -> str:
+        """Count a skipped record (``on_error: skip``); the first skip's message."""
+        self.skipped += 1
+        self.first_skip = self.first_skip or str(error)
+        return self.first_skip
 
     # ---- lengths --------------------------------------------------------------------------------------
     def tokens(self) -> np.ndarray:
@@ -318,17 +306,12 @@ class AudioDataset(torch.utils.data.Dataset):
         audio is decoded. A record that cannot be used counts as the one that replaces it under
         ``on_error: skip`` (the next usable one)."""
         usable = self._usable()
-        good = np.flatnonzero(usable)
-        if not len(good):
+        if not usable.any():
             raise DataError(
                 f"{self.NAME}: no usable record in {', '.join(str(p) for p in self.files)}; first: "
                 + self._problem(0)
             )
-        n = len(usable)
-        nxt = np.where(usable, np.arange(n), n)
-        nxt = np.minimum.accumulate(nxt[::-1])[::-1]  # the next usable record at or after each one
-        nxt[nxt == n] = good[0]  # wrapping around to the first
-        return self.tokens()[nxt]
+        return self.tokens()[next_usable(usable)]
 
     def _problem(self, index: int) -> str:
         """Why record ``index`` cannot be used, naming it."""

@@ -3,21 +3,21 @@
 Each ``<audio>`` becomes the text of the family's :meth:`~mm_data_audio.formats.AudioFormat.placeholder` for
 the clip's length in samples, each ``<image>`` Qwen-VL's vision placeholder for the image's size; the
 conversation is then rendered with the tokenizer's chat template, and only assistant turns carry labels (the
-reply and its end-of-turn token); audio and image tokens never do. The placeholder follows from lengths and
-sizes alone, so token counts come from file headers, without decoding, through the same :meth:`encode`.
+reply and its end-of-turn token); audio and image tokens never do (:mod:`mm_core.data.chat`, shared with the
+text and image datasets). The placeholder follows from lengths and sizes alone, so token counts come from file
+headers, without decoding, through the same :meth:`encode`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+from mm_core.data.chat import encode_chat
+from mm_core.data.processor import chat_tokenizer, processor_config
 from mm_core.errors import ConfigError
-from mm_core.train.loss import IGNORE_INDEX
 
 from .errors import EncodeError
 from .formats import AudioFormat, format_for
@@ -50,52 +50,19 @@ class AudioProcessor:
     ) -> AudioProcessor:
         """Load from a local folder only (never the network); a failure is a ConfigError naming ``key``
         (``...preprocess_parameters``). ``sampling_rate`` replaces the folder's own."""
-        from transformers import AutoTokenizer
-
-        config_file = Path(path) / "preprocessor_config.json"
         where = f"{key}.model_name_or_path"
-        if not config_file.is_file():
-            raise ConfigError(
-                f"{where}: {path!r} is not a local folder with a preprocessor_config.json (the model's "
-                "Hugging Face processor files; mm never downloads, so download it first, e.g. with "
-                "`hf download`, and give the folder)"
-            )
+        config_file, config = processor_config(path, where)
+        if sampling_rate is not None:
+            config["sampling_rate"] = sampling_rate
         try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-            if not isinstance(config, dict):
-                raise ValueError("it must hold a JSON object")
-            if sampling_rate is not None:
-                config["sampling_rate"] = sampling_rate
             fmt = format_for(config)(config)
             images = QwenImages(config, min_pixels, max_pixels) if has_images(config) else None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {config_file}: {' '.join(str(e).split())}") from None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # noqa: BLE001 - OSError, ValueError, ... depending on what is missing or broken
-            raise ConfigError(
-                f"{where}: cannot load the tokenizer from {path!r}: {' '.join(str(e).split())}"
-            ) from None
         tokens = list(dict.fromkeys((*fmt.special_tokens, *(images.special_tokens if images else ()))))
-        ids = cast("list[int]", tokenizer.convert_tokens_to_ids(tokens))
-        missing = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
-        if missing:
-            raise ConfigError(
-                f"{where}: the tokenizer at {path!r} lacks the {fmt.name} special tokens {', '.join(missing)}"
-            )
-        if not isinstance(tokenizer.chat_template, str) or not tokenizer.chat_template:
-            raise ConfigError(f"{where}: the tokenizer at {path!r} has no chat_template")
-        by_token = dict(zip(tokens, ids))
-        image_id = by_token[images.image_token] if images else None
-        return cls(tokenizer, fmt, images, int(by_token[fmt.audio_token]), image_id)
-
-    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as e:  # noqa: BLE001 - jinja2 errors and raise_exception() in templates
-            raise EncodeError(f"chat template failed: {e}") from None
+        tokenizer, ids = chat_tokenizer(path, where, tokens, f"{fmt.name} special tokens")
+        image_id = ids[images.image_token] if images else None
+        return cls(tokenizer, fmt, images, ids[fmt.audio_token], image_id)
 
     def expand(
         self,
@@ -140,30 +107,8 @@ class AudioProcessor:
                 f"the conversation has {found} {IMAGE_PLACEHOLDER} but {len(image_sizes)} images"
             )
         expanded = self.expand(messages, audio_samples, image_sizes)
-        full = self._render(expanded, add_generation_prompt=False)
-        spans = []
-        for i, m in enumerate(expanded):
-            if m["role"] != "assistant":
-                continue
-            prefix = self._render(expanded[:i], add_generation_prompt=True)
-            upto = (
-                full
-                if i + 1 == len(expanded)
-                else self._render(expanded[: i + 1], add_generation_prompt=False)
-            )
-            if not (upto.startswith(prefix) and full.startswith(upto)):
-                raise EncodeError(
-                    f"the chat template does not render turn {i} as a continuation of the turns before it, "
-                    "so the assistant tokens cannot be located"
-                )
-            spans.append((len(prefix), len(upto.rstrip())))
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        ids = [int(t) for t in enc["input_ids"]]
-        media = {self.audio_token_id, self.image_token_id}
-        labels = [
-            t if t not in media and any(lo <= start < hi for lo, hi in spans) else IGNORE_INDEX
-            for t, (start, _end) in zip(ids, enc["offset_mapping"])
-        ]
+        media = {t for t in (self.audio_token_id, self.image_token_id) if t is not None}
+        ids, labels, _ = encode_chat(self.tokenizer, expanded, unlabelled=media)
         audio_tokens = sum(self.format.placeholder(n).count(self.format.audio_token) for n in audio_samples)
         if self.audio_token_count(ids) != audio_tokens:
             raise EncodeError("the tokenizer did not keep every audio token whole")

@@ -2,27 +2,34 @@
 takes images and audio; its ``preprocessor_config.json`` carries both the feature extractor's and the image
 processor's keys).
 
-transformers' own ``Qwen2VLImageProcessorPil`` (PIL, no torchvision) gives ``pixel_values`` [patches, C·T·P²]
-and ``image_grid_thw`` [images, 3]; an image becomes ``<|vision_start|>`` + N ``<|image_pad|>`` +
-``<|vision_end|>`` with N its merged patches (``grid.prod() // merge²``), computed from the image's size,
-which the header gives without decoding (so the datasets count tokens from headers).
+The pixels and placeholders are :class:`mm_core.data.qwen_vl_images.QwenVLImages` (shared with mm-data-vlm's
+Qwen-VL format): ``pixel_values`` [patches, C·T·P²] and ``image_grid_thw`` [images, 3]; an image becomes
+``<|vision_start|>`` + N ``<|image_pad|>`` + ``<|vision_end|>`` with N its merged patches, computed from the
+image's size, which the header gives without decoding (so the datasets count tokens from headers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
+from mm_core.data.qwen_vl_images import IMAGE_FIELDS, IMAGE_PAD, VISION_END, VISION_START, QwenVLImages
 
-from .errors import EncodeError
+__all__ = [
+    "IMAGE_FIELDS",
+    "IMAGE_PAD",
+    "IMAGE_PROCESSOR_TYPES",
+    "VISION_END",
+    "VISION_START",
+    "QwenImages",
+    "has_images",
+    "image_size",
+    "load_image",
+]
 
-VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 #: ``image_processor_type`` values served (the torchvision, PIL and fast names of one processor)
 IMAGE_PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil", "Qwen2VLImageProcessorFast")
-#: the fields a sample with images carries (concatenated along dim 0 by the collator)
-IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 
 
 def has_images(config: Mapping[str, Any]) -> bool:
@@ -30,43 +37,19 @@ def has_images(config: Mapping[str, Any]) -> bool:
     return bool(config.get("image_processor_type"))
 
 
-class QwenImages:
-    """Qwen-VL pixels and placeholders from a ``preprocessor_config.json`` with ``image_processor_type``."""
-
-    special_tokens = (VISION_START, VISION_END, IMAGE_PAD)
-    image_token = IMAGE_PAD
+class QwenImages(QwenVLImages):
+    """Qwen-VL pixels and placeholders from a ``preprocessor_config.json`` with ``image_processor_type``; a
+    ``ValueError`` saying what is wrong when the type is not Qwen-VL's or the processor refuses the values."""
 
     def __init__(self, config: Mapping[str, Any], min_pixels: int | None, max_pixels: int | None) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
         kind = config.get("image_processor_type")
         if kind not in IMAGE_PROCESSOR_TYPES:
             known = ", ".join(IMAGE_PROCESSOR_TYPES)
             raise ValueError(f"image_processor_type {kind!r} is not one mm-data-audio serves ({known})")
-        limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
         try:
-            self.processor = Qwen2VLImageProcessorPil.from_dict(dict(config), **limits)
+            super().__init__(config, min_pixels, max_pixels)
         except (TypeError, ValueError) as e:
             raise ValueError(f"Qwen2VLImageProcessorPil refused the configuration: {e}") from None
-        self.merge_size = int(getattr(self.processor, "merge_size", 1) or 1)
-
-    def pixels(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
-        try:
-            out = self.processor(images=list(images), return_tensors="pt")
-        except ValueError as e:  # e.g. an aspect ratio over 200, which Qwen-VL's resize refuses
-            raise EncodeError(f"the image processor refused the image: {e}") from None
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
-
-    def placeholder(self, width: int, height: int) -> str:
-        try:
-            patches = int(self.processor.get_number_of_image_patches(height, width))
-        except ValueError as e:
-            raise EncodeError(f"the image processor refused the image: {e}") from None
-        return VISION_START + IMAGE_PAD * (patches // self.merge_size**2) + VISION_END
-
-    def feature_rows(self, pixels: Mapping[str, torch.Tensor]) -> int:
-        grid = pixels.get("image_grid_thw")
-        return 0 if grid is None else sum(int(g.prod()) // self.merge_size**2 for g in grid)
 
 
 def image_size(path: Path) -> tuple[int, int]:

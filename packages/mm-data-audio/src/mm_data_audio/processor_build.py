@@ -16,7 +16,7 @@ from typing import Any
 
 from mm_core.data.bpe import write_bytelevel_bpe
 
-from .formats.qwen3_asr import AUDIO_END, AUDIO_PAD, AUDIO_START
+from .formats.qwen_audio import AUDIO_END, AUDIO_PAD, AUDIO_START
 from .images import IMAGE_PAD, VISION_END, VISION_START
 
 EOS_TOKEN = "<|endoftext|>"

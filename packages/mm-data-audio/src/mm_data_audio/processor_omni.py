@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .formats.qwen3_asr import AUDIO_END, AUDIO_PAD, AUDIO_START
 from .formats.qwen3_omni import DEFAULT_N_WINDOW
+from .formats.qwen_audio import AUDIO_END, AUDIO_PAD, AUDIO_START
 from .processor_build import CHATML, build_audio_processor, qwen_vl_image_config
 
 

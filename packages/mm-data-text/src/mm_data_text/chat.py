@@ -7,7 +7,8 @@ Two ways to find the assistant tokens, chosen by the template:
   the turn (with the generation prompt) and up to and including the turn; the span runs from the end of
   the first rendering to the end of the second with trailing whitespace removed (so ChatML labels
   ``reply<|im_end|>`` and not the newline after it). This needs a template that renders a
-  conversation's prefix as a prefix of the full text; one that does not is reported.
+  conversation's prefix as a prefix of the full text; one that does not is reported
+  (:mod:`mm_core.data.chat`, shared with the image and audio datasets).
 
 Truncation before tokenisation (:func:`encode_within`): a sample keeps only its first ``cutoff_len`` tokens,
 so the text far beyond them is neither rendered nor tokenised. The rule:
@@ -47,6 +48,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from mm_core.data.chat import EncodeError, encode_chat, render_chat
+
 from .packing import IGNORE_INDEX
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -62,8 +65,11 @@ _CUT_MARK = "\ue000mm-cut\ue001"
 Encoded = tuple[list[int], list[int], list[int] | None]
 
 
-class ChatEncodeError(ValueError):
-    """A conversation cannot be rendered or its assistant turns cannot be located."""
+#: a conversation cannot be rendered or its assistant turns cannot be located (mm-core's, shared with the
+#: other chat datasets)
+ChatEncodeError = EncodeError
+#: how a template whose prefixes are not prefixes can still be used: mark the assistant tokens
+_ADVICE = "; use a template with {% generation %} blocks"
 
 
 def uses_generation_markers(chat_template: str) -> bool:
@@ -71,21 +77,12 @@ def uses_generation_markers(chat_template: str) -> bool:
     return bool(_GENERATION_TAG.search(chat_template))
 
 
-def _render(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as e:  # noqa: BLE001 - jinja2 errors and raise_exception() in templates
-        raise ChatEncodeError(f"chat template failed: {e}") from None
-
-
 def _encode_with_markers(tokenizer: Any, messages: Sequence[dict[str, Any]], with_starts: bool) -> Encoded:
     try:
         out = tokenizer.apply_chat_template(
             list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-    except Exception as e:  # noqa: BLE001 - same as in _render
+    except Exception as e:  # noqa: BLE001 - as in mm_core.data.chat.render_chat
         raise ChatEncodeError(f"chat template failed: {e}") from None
     ids = [int(t) for t in out["input_ids"]]
     mask = out["assistant_masks"]
@@ -94,39 +91,11 @@ def _encode_with_markers(tokenizer: Any, messages: Sequence[dict[str, Any]], wit
     return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)], starts
 
 
-def assistant_spans(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], last: int | None = None
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the ``[start, end)`` character span of every assistant turn in it (of those up
-    to message ``last`` when given)."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
-    spans: list[tuple[int, int]] = []
-    for i, message in enumerate(messages[: None if last is None else last + 1]):
-        if message["role"] != "assistant":
-            continue
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not (upto.startswith(prefix) and full.startswith(upto)):
-            raise ChatEncodeError(
-                f"the chat template does not render message {i} as a continuation of the messages before it, "
-                "so the assistant tokens cannot be located; use a template with {% generation %} blocks"
-            )
-        spans.append((len(prefix), len(upto.rstrip())))
-    return full, spans
-
-
 def _encode_with_spans(
     tokenizer: Any, messages: Sequence[dict[str, Any]], last: int | None, with_starts: bool
 ) -> Encoded:
-    text, spans = assistant_spans(tokenizer, messages, last)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    ids = [int(t) for t in enc["input_ids"]]
-    offsets = enc["offset_mapping"]
-    labels = []
-    for token, (start, _end) in zip(ids, offsets):
-        inside = any(lo <= start < hi for lo, hi in spans)
-        labels.append(token if inside else IGNORE_INDEX)
-    return ids, labels, [int(start) for start, _ in offsets] if with_starts else None
+    ids, labels, starts = encode_chat(tokenizer, messages, last=last, advice=_ADVICE)
+    return ids, labels, starts if with_starts else None
 
 
 def _encode(
@@ -219,7 +188,7 @@ def _cut_position(tokenizer: Any, messages: Sequence[dict[str, str]], cut: int) 
     marked = list(messages)
     marked[cut] = {**marked[cut], "content": marked[cut]["content"] + _CUT_MARK}
     try:
-        text = _render(tokenizer, marked, add_generation_prompt=False)
+        text = render_chat(tokenizer, marked, add_generation_prompt=False)
     except ChatEncodeError:
         return None
     at = text.find(_CUT_MARK)

@@ -7,17 +7,11 @@ from typing import Any
 
 import torch
 
-from mm_core.data.params import COLLATE, anything, boolean, optional_positive_int, read_params
+from mm_core.data.collate import COLLATE_FIELDS, Padding
 from mm_core.errors import DataError
 
-from .packing import IGNORE_INDEX
+__all__ = ["COLLATE_FIELDS", "LLMPretrainCollator", "SFTCollator", "pad_batch"]
 
-COLLATE_FIELDS = {
-    "collator_id": anything(None),
-    "model_name": anything(None),
-    "ignore_pad_token_for_loss": boolean(True),
-    "pad_to_multiple_of": optional_positive_int(None),
-}
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
 
 
@@ -79,10 +73,10 @@ class _PadCollator:
     with_attention_mask = True
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
-        params = read_params(collate_param, COLLATE_FIELDS, COLLATE)
-        self.pad_to_multiple_of: int | None = params["pad_to_multiple_of"]
-        self.pad_token_id = int(getattr(dataset, "pad_token_id", 0) or 0)
-        self.label_pad_id = IGNORE_INDEX if params["ignore_pad_token_for_loss"] else self.pad_token_id
+        padding = Padding.read(collate_param, dataset)
+        self.pad_to_multiple_of = padding.pad_to_multiple_of
+        self.pad_token_id = padding.pad_token_id
+        self.label_pad_id = padding.label_pad_id
 
     def _pad(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         return pad_batch(

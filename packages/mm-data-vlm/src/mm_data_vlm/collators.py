@@ -1,5 +1,6 @@
 """``vlm`` (alias ``qwen3vl``): batch vision-language samples with any number of images (of any sizes) per
-sample, for every image format of mm-data-vlm."""
+sample, for every image format of mm-data-vlm. The padding of the token fields is mm-core's
+(:mod:`mm_core.data.collate`, shared with the text and audio collators)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,12 @@ from typing import Any
 
 import torch
 
-from mm_core.data.params import COLLATE, anything, boolean, optional_positive_int, read_params
-from mm_core.errors import DataError
+from mm_core.data.collate import COLLATE_FIELDS, META_FIELDS, Padding, meta_fields, pad_tokens
 
-from .encode import IGNORE_INDEX
-
-COLLATE_FIELDS = {
-    "collator_id": anything(None),
-    "model_name": anything(None),
-    "ignore_pad_token_for_loss": boolean(True),
-    "pad_to_multiple_of": optional_positive_int(None),
-}
+__all__ = ["COLLATE_FIELDS", "META_FIELDS", "TOKEN_FIELDS", "Qwen3VLCollator", "VLMCollator"]
 
 #: per-token fields: right-padded to the batch's width with these values (labels: see ``ignore_pad_token``)
 TOKEN_FIELDS = ("input_ids", "labels", "mm_token_type_ids")
-#: per-sample bookkeeping, never pixel inputs
-META_FIELDS = ("sample_id", "skipped_samples")
 
 
 class VLMCollator:
@@ -36,34 +27,22 @@ class VLMCollator:
     int."""
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
-        params = read_params(collate_param, COLLATE_FIELDS, COLLATE)
-        self.pad_to_multiple_of: int | None = params["pad_to_multiple_of"]
-        self.pad_token_id = int(getattr(dataset, "pad_token_id", 0) or 0)
-        self.label_pad_id = IGNORE_INDEX if params["ignore_pad_token_for_loss"] else self.pad_token_id
+        self.padding = Padding.read(collate_param, dataset)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not features:
-            raise DataError("collate: got an empty list of samples")
-        lengths = [int(f["input_ids"].shape[-1]) for f in features]
-        width = max(lengths)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(features)
-        pads = {"input_ids": self.pad_token_id, "labels": self.label_pad_id, "mm_token_type_ids": 0}
-        token_fields = [k for k in TOKEN_FIELDS if k in features[0]]
-        batch: dict[str, Any] = {k: torch.full((b, width), pads[k], dtype=torch.long) for k in token_fields}
-        batch["attention_mask"] = torch.zeros((b, width), dtype=torch.long)
-        for row, (f, n) in enumerate(zip(features, lengths)):
-            for k in token_fields:
-                batch[k][row, :n] = f[k]
-            batch["attention_mask"][row, :n] = 1
+        pads = {
+            "input_ids": self.padding.pad_token_id,
+            "labels": self.padding.label_pad_id,
+            "mm_token_type_ids": 0,
+        }
+        present = {k: pads[k] for k in TOKEN_FIELDS if features and k in features[0]}
+        batch: dict[str, Any] = pad_tokens(features, present, self.padding)
         skip = (*TOKEN_FIELDS, *META_FIELDS)
         pixel_keys = sorted({k for f in features for k in f if k not in skip})
         for key in pixel_keys:
             parts = [f[key] for f in features if key in f]
             batch[key] = torch.cat(parts)
-        batch["sample_id"] = torch.tensor([int(f.get("sample_id", -1)) for f in features], dtype=torch.long)
-        batch["skipped_samples"] = sum(int(f.get("skipped_samples", 0)) for f in features)
+        batch.update(meta_fields(features))
         return batch
 
 

@@ -1,7 +1,10 @@
-"""Errors of mm-data-vlm's encoding path (the dataset turns them into DataErrors naming the record)."""
+"""Errors of mm-data-vlm's encoding path (the dataset turns them into DataErrors naming the record).
+
+:class:`EncodeError` is mm-core's (:mod:`mm_core.data.chat`), which the shared chat rendering and Qwen-VL
+images raise too, so one ``except EncodeError`` catches every refusal of a conversation or its images."""
 
 from __future__ import annotations
 
+from mm_core.data.chat import EncodeError
 
-class EncodeError(ValueError):
-    """A conversation cannot be encoded (placeholders and images disagree, template problems, ...)."""
+__all__ = ["EncodeError"]

@@ -25,6 +25,7 @@ from mm_core.data.params import (
     string,
 )
 from mm_core.data.prepare import PreparedDataset
+from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
 
 from . import __version__
@@ -236,16 +237,10 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         index: no image is read. A record that cannot be used counts as the record that replaces it under
         ``on_error: skip`` (the next usable one)."""
         usable = self._usable()
-        good = np.flatnonzero(usable)
-        if len(usable) and not len(good):
+        if len(usable) and not usable.any():
             files = ", ".join(str(p) for p in self.files)
             raise DataError(f"vlm_sft: no usable record in {files}; first: {self._problem(0)}")
-        n = len(usable)
-        # the next usable record at or after each index, wrapping around to the first one
-        nxt = np.where(usable, np.arange(n), n)
-        nxt = np.minimum.accumulate(nxt[::-1])[::-1]
-        nxt[nxt == n] = good[0] if len(good) else 0
-        return self.index.column("tokens")[nxt].astype(np.int64)
+        return self.index.column("tokens")[next_usable(usable)].astype(np.int64)
 
     def _problem(self, index: int) -> str:
         """Why record ``index`` cannot be used, naming it (``file:line``)."""
@@ -320,22 +315,9 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         )
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"sample {index} out of range for {n} samples")
-        index %= n
-        for tries in range(n):
-            try:
-                sample = self.encode((index + tries) % n)
-            except DataError as e:
-                if self.on_error != "skip":
-                    raise
-                self.skipped.append(str(e))
-                logger.warning("vlm_sft: skipping a record (on_error: skip): %s", e)
-                continue
-            sample["skipped_samples"] = tries
-            return sample
-        raise DataError(
-            "vlm_sft: every record failed to load (data.dataset_param.on_error: skip); first: "
-            + (self.skipped[0] if self.skipped else "?")
-        )
+        return fetch_skipping("vlm_sft", index, len(self), self.encode, self.on_error, self._skipped, logger)
+
+    def _skipped(self, error: DataError) -> str:
+        """Record a skipped record (``on_error: skip``); the first skip's message."""
+        self.skipped.append(str(error))
+        return self.skipped[0]

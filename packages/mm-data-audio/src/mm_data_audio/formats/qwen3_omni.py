@@ -18,23 +18,21 @@ The published rules this format follows (``Qwen3OmniMoeProcessor`` / ``Qwen3Omni
 encoder counts 13 rows per full chunk whatever ``n_window`` is, so only chunks that the convolutions leave 13
 rows of (97 to 104 frames: ``n_window`` 49 to 52) work; another value is refused.
 
-Each audio is featurised alone, so a sample's inputs never depend on the other audios of its batch (the
-processor pads a batch's raw waveforms before the STFT, which changes the last frames of the shorter clips:
-there the STFT window reaches into zero padding instead of the clip's reflected end); the collator pads
-features and mask with zeros along time.
+Each audio is featurised alone (:mod:`.qwen_audio`, shared with Qwen3-ASR), so a sample's inputs never depend
+on the other audios of its batch (the processor pads a batch's raw waveforms before the STFT, which changes
+the last frames of the shorter clips: there the STFT window reaches into zero padding instead of the clip's
+reflected end); the collator pads features and mask with zeros along time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from ..errors import EncodeError
-from . import AudioFormat
-from .qwen3_asr import AUDIO_END, AUDIO_PAD, AUDIO_START, _after_convs
+from .qwen_audio import QwenAudioFormat, after_convs
 
 #: ``Qwen3OmniMoeProcessor.n_window``: half the mel frames of one encoder chunk
 DEFAULT_N_WINDOW = 50
@@ -42,43 +40,31 @@ DEFAULT_N_WINDOW = 50
 ROWS_PER_CHUNK = 13
 
 
-class Qwen3OmniFormat(AudioFormat):
+class Qwen3OmniFormat(QwenAudioFormat):
     name: ClassVar[str] = "qwen3-omni"
     extractor_types: ClassVar[tuple[str, ...]] = ("WhisperFeatureExtractor",)
-    audio_token: ClassVar[str] = AUDIO_PAD
-    special_tokens: ClassVar[tuple[str, ...]] = (AUDIO_START, AUDIO_PAD, AUDIO_END)
+    mask_key: ClassVar[str] = "feature_attention_mask"
+    extract_options: ClassVar[dict[str, Any]] = {"truncation": False}
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         from transformers.models.whisper import WhisperFeatureExtractor
 
         super().__init__(config)
-        try:
-            self.extractor = WhisperFeatureExtractor.from_dict(self.config)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"WhisperFeatureExtractor refused the configuration: {e}") from None
-        fe = self.extractor
-        for key in ("hop_length", "sampling_rate", "feature_size", "n_fft"):
-            value = getattr(fe, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        fe = self.load_extractor(
+            WhisperFeatureExtractor, ("hop_length", "sampling_rate", "feature_size", "n_fft")
+        )
         n_window = self.config.get("n_window", DEFAULT_N_WINDOW)
         if not isinstance(n_window, int) or isinstance(n_window, bool) or n_window <= 0:
             raise ValueError(f"n_window must be a positive integer, got {n_window!r}")
-        if _after_convs(2 * n_window) != ROWS_PER_CHUNK:
+        if after_convs(2 * n_window) != ROWS_PER_CHUNK:
             raise ValueError(
                 f"n_window: got {n_window}; Qwen3-Omni's audio encoder counts {ROWS_PER_CHUNK} rows per "
                 f"chunk of 2 * n_window frames, which its convolutions give only for n_window 49 to 52 "
                 f"(published: {DEFAULT_N_WINDOW})"
             )
-        self.hop_length: int = fe.hop_length
-        #: mel frames per encoder chunk (must equal the model's ``audio_config.n_window * 2``)
-        self.chunk_frames: int = 2 * n_window
+        self.chunk_frames = 2 * n_window
         #: the shortest clip the STFT takes (its centred first window reflects ``n_fft // 2`` samples)
         self.min_samples: int = max(fe.n_fft // 2 + 1, fe.hop_length)
-
-    @property
-    def sampling_rate(self) -> int:
-        return int(self.extractor.sampling_rate)
 
     def frames(self, num_samples: int) -> int:
         """Valid mel frames of a clip of ``num_samples`` samples."""
@@ -90,9 +76,9 @@ class Qwen3OmniFormat(AudioFormat):
 
     def _rows(self, frames: int) -> int:
         full, rest = divmod(frames, self.chunk_frames)
-        return full * ROWS_PER_CHUNK + _after_convs(rest)
+        return full * ROWS_PER_CHUNK + after_convs(rest)
 
-    def _check_length(self, num_samples: int) -> None:
+    def check_length(self, num_samples: int) -> None:
         if num_samples < self.min_samples:
             ms = 1000 * self.min_samples / self.sampling_rate
             raise EncodeError(
@@ -100,42 +86,6 @@ class Qwen3OmniFormat(AudioFormat):
                 f"({ms:g} ms at {self.sampling_rate} Hz: the STFT's first window)"
             )
 
-    def placeholder(self, num_samples: int) -> str:
-        self._check_length(num_samples)
-        return AUDIO_START + AUDIO_PAD * self.tokens(num_samples) + AUDIO_END
-
-    def _one(self, wave: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        wave = np.asarray(wave, dtype=np.float32)
-        self._check_length(int(wave.shape[-1]))
-        try:
-            out = self.extractor(
-                wave,
-                sampling_rate=self.sampling_rate,
-                padding="longest",
-                truncation=False,
-                return_attention_mask=True,
-                return_tensors="pt",
-            )
-        except (ValueError, RuntimeError) as e:
-            raise EncodeError(f"WhisperFeatureExtractor refused the audio: {e}") from None
-        return out["input_features"][0].float(), out["attention_mask"][0].long()
-
-    def features(self, waves: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-        feats, masks = zip(*(self._one(w) for w in waves))
-        width = max(f.shape[-1] for f in feats)
-        pad = torch.nn.functional.pad
-        return {
-            "input_features": torch.stack([pad(f, (0, width - f.shape[-1])) for f in feats]),
-            "feature_attention_mask": torch.stack([pad(m, (0, width - m.shape[-1])) for m in masks]),
-        }
-
     def feature_rows(self, features: Mapping[str, torch.Tensor]) -> int:
         """Rows as the thinker's audio encoder counts them: per audio, from its valid frames."""
         return sum(self._rows(int(n)) for n in features["feature_attention_mask"].sum(-1))
-
-    def describe(self) -> str:
-        seconds = self.chunk_frames * self.hop_length / self.sampling_rate
-        return (
-            f"{self.name} audio at {self.sampling_rate} Hz, {self.extractor.feature_size} mel bins, "
-            f"{ROWS_PER_CHUNK} tokens per {seconds:g} s chunk"
-        )
