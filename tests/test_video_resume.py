@@ -7,14 +7,9 @@ hands the dataset again on resume). ``mm convert dcp-to-hf`` writes a folder tha
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 from _mm import mm, read_metrics
-from _video import make_video_assets
-from torch.distributed.checkpoint import FileSystemReader
+from _video import assert_export_loads, make_video_assets
 
 COMMON = ["training.micro_batch_size=1", "training.train_iters=6", "training.seed=11"]
 
@@ -45,19 +40,5 @@ def test_resume_is_exact_across_an_epoch(straight, tmp_path):
 
 @pytest.mark.slow
 def test_export_is_a_diffusers_folder(straight, tmp_path):
-    from diffusers import WanTransformer3DModel
-
     _, out = straight
-    ckpt = out / "ckpt" / "step_6"
-    dst = tmp_path / "transformer"
-    mm("convert", "dcp-to-hf", str(ckpt), str(dst), timeout=180)
-    config = json.loads((dst / "config.json").read_text())
-    assert config["_class_name"] == "WanTransformer3DModel" and "architectures" not in config
-    model = WanTransformer3DModel.from_pretrained(dst)
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k[:6] == "model."}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    exported = model.state_dict()
-    assert sorted(exported) == sorted(k[6:] for k in state)
-    for name, value in exported.items():
-        assert torch.equal(value, state[f"model.{name}"]), name
+    assert_export_loads(out / "ckpt" / "step_6", tmp_path / "transformer", "WanTransformer3DModel")

@@ -149,3 +149,107 @@ def test_collator_batches_one_shape(tmp_path: Path) -> None:
         collate([ds[0], ds[1]])
     with pytest.raises(ConfigError, match="collate_param.pad_to: unknown key"):
         VideoLatentsCollator({"pad_to": 8}, ds)
+
+
+def add_audio(store: Path, records: list[int], frames: int = 5, with_text: bool = True) -> Path:
+    """Give ``records`` of the store audio latents [2, frames, 4] and (``with_text``) an audio text
+    embedding [text tokens, 6]."""
+    rng = np.random.default_rng(1)
+    (store / "audio").mkdir(exist_ok=True)
+    lines = (store / "index.jsonl").read_text().splitlines()
+    for i in records:
+        record = json.loads(lines[i])
+        sid = record["id"]
+        np.save(store / "audio" / f"{sid}.npy", rng.standard_normal((2, frames, 4)).astype(np.float32))
+        record.update(audio_latents=f"audio/{sid}.npy", audio_latent_shape=[2, frames, 4])
+        if with_text:
+            tokens = record["text_shape"][0]
+            np.save(store / "audio" / f"{sid}_text.npy", rng.standard_normal((tokens, 6)).astype(np.float32))
+            record.update(audio_text=f"audio/{sid}_text.npy", audio_text_shape=[tokens, 6])
+        lines[i] = json.dumps(record)
+    (store / "index.jsonl").write_text("\n".join(lines) + "\n")
+    return store
+
+
+def test_audio_latents_text_mask_buckets_and_batches(tmp_path: Path) -> None:
+    store = add_audio(write_store(tmp_path), [0])
+    ds = dataset(store)
+    s = ds[0]
+    assert torch.equal(s["audio_latents"], torch.from_numpy(np.load(store / "audio" / "s0.npy")))
+    text = torch.from_numpy(np.load(store / "audio" / "s0_text.npy"))
+    assert s["audio_encoder_hidden_states"].shape == (8, 6)
+    assert (
+        torch.equal(s["audio_encoder_hidden_states"][:3], text)
+        and not s["audio_encoder_hidden_states"][3:].any()
+    )
+    assert s["encoder_attention_mask"].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert "audio_latents" not in ds[2] and ds[2]["encoder_attention_mask"].sum() == 5
+    # s0 and s2 have one video shape, but only s0 has audio: two buckets; audio frames count as tokens
+    assert ds.sample_buckets().tolist() == [0, 1, 2]
+    assert ds.sample_lengths().tolist() == [3 * 2 * 3 + 5, 5 * 1 * 1, 3 * 2 * 3]
+    collate = VideoLatentsCollator({"collator_id": "video_latents"}, ds)
+    batch = collate([s, s])
+    assert batch["audio_latents"].shape == (2, 2, 5, 4)
+    assert batch["audio_encoder_hidden_states"].shape == (2, 8, 6)
+    assert batch["encoder_attention_mask"].shape == (2, 8)
+    with pytest.raises(
+        DataError, match=r"2 shapes \(sample: shape 0: \[4, 3, 4, 6\] \+ audio \[2, 5, 4\], 2"
+    ):
+        collate([s, ds[2]])
+    wan = collate([ds[2], ds[2]])  # a video-only batch is what it was, plus the mask
+    fields = {"latents", "encoder_hidden_states", "encoder_attention_mask", "noise_seed", "sample_id"}
+    assert set(wan) == fields | {"skipped_samples"}
+
+
+def test_bad_audio_records(tmp_path: Path) -> None:
+    store = add_audio(write_store(tmp_path), [0, 2])
+    _edit_index(store, 0, audio_latent_shape=[2, 5])
+    with pytest.raises(
+        DataError, match=r":1 \(s0\): audio_latent_shape must be a list of 3 positive integers"
+    ):
+        dataset(store)
+    _edit_index(store, 0, audio_latent_shape=[2, 5, 4], audio_text_shape=[4, 6])
+    with pytest.raises(DataError, match="audio_text_shape has 4 tokens, text_shape 3; .* same length"):
+        dataset(store)
+    _edit_index(store, 0, audio_text_shape=[3, 6], audio_latent_shape=[3, 5, 4])
+    with pytest.raises(DataError, match=r":3 \(s2\): audio latent channels × mel bins 2×4 .* differ"):
+        dataset(store)
+    _edit_index(store, 0, audio_latent_shape=[2, 5, 4])
+    np.save(store / "audio" / "s0.npy", np.zeros((2, 6, 4), dtype=np.float32))
+    with pytest.raises(
+        DataError, match=r"audio latents .* has shape \(2, 6, 4\), the index says \(2, 5, 4\)"
+    ):
+        dataset(store)[0]
+    lines = (store / "index.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    del record["audio_latent_shape"]
+    lines[0] = json.dumps(record)
+    (store / "index.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match="audio_latents and audio_latent_shape go together"):
+        dataset(store)
+
+
+def test_store_writer_with_audio_and_its_refusals(tmp_path: Path) -> None:
+    from mm_data_video import StoreWriter
+
+    writer = StoreWriter(tmp_path / "av")
+    video, text, audio = torch.randn(4, 3, 4, 6), torch.randn(3, 8), torch.randn(2, 5, 4)
+    writer.add("a0", "with audio", video, text, audio_latents=audio, audio_text=torch.randn(3, 6))
+    writer.add("a1", "video only", video, torch.randn(2, 8))
+    with pytest.raises(DataError, match="clip id 'a0' is used twice"):
+        writer.add("a0", "again", video, text)
+    with pytest.raises(DataError, match="audio_text needs audio_latents and as many tokens as text"):
+        writer.add("a2", "x", video, text, audio_text=torch.randn(3, 6))
+    with pytest.raises(DataError, match="clip 'a2': text dim 9, earlier samples had 8"):
+        writer.add("a2", "x", video, torch.randn(3, 9))
+    with pytest.raises(DataError, match=r"audio_latents of shape \[2, 5\]; expected 3 dims"):
+        writer.add("a2", "x", video, text, audio_latents=torch.randn(2, 5))
+    writer.finish({"vae": "test"})
+    meta = json.loads((tmp_path / "av" / "meta.json").read_text())
+    assert meta["latent_channels"] == 4 and meta["text_dim"] == 8 and meta["vae"] == "test"
+    ds = dataset(tmp_path / "av")
+    assert len(ds) == 2 and torch.equal(ds[0]["audio_latents"], audio) and "audio_latents" not in ds[1]
+    with pytest.raises(DataError, match="already holds a latent store"):
+        StoreWriter(tmp_path / "av")
+    with pytest.raises(DataError, match="no sample was added"):
+        StoreWriter(tmp_path / "empty").finish({})

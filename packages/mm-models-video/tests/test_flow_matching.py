@@ -86,3 +86,21 @@ def test_options_are_checked_naming_the_key() -> None:
         FlowMatching.from_options({"shift": True}, key)
     with pytest.raises(ConfigError, match="shift: got -1"):
         FlowMatching.from_options({"shift": -1}, key)
+
+
+def test_several_latents_share_each_samples_noise_level() -> None:
+    flow = FlowMatching(shift=3.0)
+    video, audio = torch.randn(2, 3, 4), torch.randn(2, 5)
+    (v_t, a_t), sigmas, (v_target, a_target) = flow.noised_all([video, audio], [7, 8])
+    for b, seed in enumerate([7, 8]):
+        sigma, (v_noise, a_noise) = flow.draw_all(seed, [(3, 4), (5,)])
+        assert sigmas[b].item() == pytest.approx(sigma)
+        assert torch.allclose(v_t[b], sigma * v_noise + (1 - sigma) * video[b], atol=1e-6)
+        assert torch.allclose(a_t[b], sigma * a_noise + (1 - sigma) * audio[b], atol=1e-6)
+        assert torch.allclose(v_target[b], v_noise - video[b]) and torch.allclose(
+            a_target[b], a_noise - audio[b]
+        )
+        assert torch.equal(flow.draw(seed, (3, 4))[1], v_noise)  # the first noise is draw()'s
+    assert not torch.equal(v_t[0], v_t[1])
+    with pytest.raises(ValueError, match="2 noise seeds for a batch of 2/3 samples"):
+        flow.noised_all([video, torch.randn(3, 5)], [1, 2])

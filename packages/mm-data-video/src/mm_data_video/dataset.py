@@ -9,14 +9,20 @@
 - ``patch_size``: the transformer's ``[t, h, w]`` patch, to count each sample's video tokens for
   ``max_tokens_per_batch`` (Wan: ``[1, 2, 2]``).
 
-A sample is ``latents`` [C, F, H, W], ``encoder_hidden_states`` [text_length, D], ``noise_seed`` and
-``sample_id``. **Noise seeds**: the model draws each sample's noise level and noise from ``noise_seed``, which
-is derived from the training seed, the epoch and the sample's index (:func:`noise_seed`). mm calls
+A sample is ``latents`` [C, F, H, W], ``encoder_hidden_states`` [text_length, D], ``encoder_attention_mask``
+[text_length] (1 for the text's real tokens, 0 for the padding: LTX-2 masks the padding, Wan's pipeline
+attends to the zeros and its model ignores the mask), ``noise_seed`` and ``sample_id``; a record with audio
+(see :mod:`mm_data_video.store`) adds ``audio_latents`` [C_a, L_a, M] and, when stored,
+``audio_encoder_hidden_states`` [text_length, D_a] (padded like the text).
+
+**Noise seeds**: the model draws each sample's noise level and noise from ``noise_seed``, which is derived
+from the training seed, the epoch and the sample's index (:func:`noise_seed`). mm calls
 :meth:`VideoLatentsDataset.set_epoch` before each epoch starts (also when resuming), so a sample gets new
 noise every epoch, the same on any number of ranks and after a resume.
 
 **Buckets.** Clips of several resolutions and lengths give latents of several shapes; a micro-batch must
-hold one shape. :meth:`~VideoLatentsDataset.sample_buckets` gives every distinct latent shape its own bucket,
+hold one shape. :meth:`~VideoLatentsDataset.sample_buckets` gives every distinct latent shape (with its
+audio latent shape, if any) its own bucket,
 and with ``data.dataloader_param.max_tokens_per_batch`` mm cuts micro-batches that never mix buckets (the
 collator checks it). Without a token budget, a dataset of several shapes needs ``training.micro_batch_size:
 1``.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,6 +114,17 @@ class VideoLatentsDataset:
     def _check_consistent(self) -> None:
         first = self.records[0]
         pt, ph, pw = self.patch_size
+        audio = [(r, r.audio_latent_shape) for r in self.records if r.audio_latent_shape is not None]
+        for r, a in audio:
+            b = audio[0][1]
+            at, bt = r.audio_text_shape, audio[0][0].audio_text_shape
+            if a[0] != b[0] or a[2] != b[2] or (at is None) != (bt is None) or (at and bt and at[1] != bt[1]):
+                raise DataError(
+                    f"{r.where}: audio latent channels × mel bins {a[0]}×{a[2]} / audio text "
+                    f"{list(at) if at else None} differ from {audio[0][0].where} ({b[0]}×{b[2]} / "
+                    f"{list(bt) if bt else None}); every store of one run must come from the same audio VAE "
+                    "and text encoder"
+                )
         for r in self.records:
             if r.latent_shape[0] != first.latent_shape[0] or r.text_shape[1] != first.text_shape[1]:
                 raise DataError(
@@ -129,20 +147,25 @@ class VideoLatentsDataset:
         self.epoch = int(epoch)
 
     def sample_lengths(self) -> npt.NDArray[np.int64]:
-        """Video tokens per sample after patchify (for ``max_tokens_per_batch``)."""
+        """Tokens per sample (for ``max_tokens_per_batch``): video tokens after patchify, plus one per audio
+        latent frame for a record with audio."""
         pt, ph, pw = self.patch_size
         return np.array(
             [
                 (r.latent_shape[1] // pt) * (r.latent_shape[2] // ph) * (r.latent_shape[3] // pw)
+                + (r.audio_latent_shape[1] if r.audio_latent_shape else 0)
                 for r in self.records
             ],
             dtype=np.int64,
         )
 
     def sample_buckets(self) -> npt.NDArray[np.int64]:
-        """One bucket per distinct latent shape (a micro-batch holds one shape)."""
-        ids: dict[tuple[int, ...], int] = {}
-        return np.array([ids.setdefault(r.latent_shape, len(ids)) for r in self.records], dtype=np.int64)
+        """One bucket per distinct latent shape, audio latent shape included (a micro-batch holds one)."""
+        ids: dict[tuple[Any, ...], int] = {}
+        return np.array(
+            [ids.setdefault((r.latent_shape, r.audio_latent_shape), len(ids)) for r in self.records],
+            dtype=np.int64,
+        )
 
     def load(self, index: int) -> dict[str, Any]:
         """Sample ``index`` without the skip rule (DataError for a bad record)."""
@@ -153,15 +176,29 @@ class VideoLatentsDataset:
                 f"{self.text_length}"
             )
         latents = load_array(r.latents, r.latent_shape, "latents", r.where)
-        text = load_array(r.text, r.text_shape, "text embedding", r.where)
-        padded = np.zeros((self.text_length, r.text_shape[1]), dtype=np.float32)
-        padded[: r.text_shape[0]] = text
-        return {
+        mask = torch.zeros(self.text_length, dtype=torch.long)
+        mask[: r.text_shape[0]] = 1
+        sample = {
             "latents": torch.from_numpy(latents),
-            "encoder_hidden_states": torch.from_numpy(padded),
+            "encoder_hidden_states": self._padded_text(r.text, r.text_shape, "text embedding", r.where),
+            "encoder_attention_mask": mask,
             "noise_seed": noise_seed(self.seed, self.epoch, index),
             "sample_id": index,
         }
+        if r.audio_latents is not None and r.audio_latent_shape is not None:
+            audio = load_array(r.audio_latents, r.audio_latent_shape, "audio latents", r.where)
+            sample["audio_latents"] = torch.from_numpy(audio)
+        if r.audio_text is not None and r.audio_text_shape is not None:
+            sample["audio_encoder_hidden_states"] = self._padded_text(
+                r.audio_text, r.audio_text_shape, "audio text embedding", r.where
+            )
+        return sample
+
+    def _padded_text(self, path: Path, shape: tuple[int, int], what: str, where: str) -> torch.Tensor:
+        """The ``[L, D]`` array at ``path``, zero-padded to ``[text_length, D]``."""
+        padded = np.zeros((self.text_length, shape[1]), dtype=np.float32)
+        padded[: shape[0]] = load_array(path, shape, what, where)
+        return torch.from_numpy(padded)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.records)

@@ -19,9 +19,6 @@ Both run under ``torch.no_grad()`` in eval mode; neither is ever part of the tra
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +30,10 @@ from torch import nn
 
 from mm_core.errors import DataError
 
-from .store import INDEX, META, STORE_FORMAT
+from .store import StoreWriter
 
 #: ``captions -> one [L_i, D] tensor per caption``
 TextEncoder = Callable[[list[str]], Sequence[torch.Tensor]]
-
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 @dataclass(frozen=True)
@@ -141,14 +136,6 @@ def t5_text_encoder(
     return encode
 
 
-def _save(path: Path, array: torch.Tensor, what: str, clip_id: str) -> None:
-    data = array.detach().float().cpu().numpy()
-    if not np.isfinite(data).all():
-        raise DataError(f"clip {clip_id!r}: the {what} hold NaN/inf; check the model and the input")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, data)
-
-
 def encode_clips(
     clips: Iterable[Clip],
     out_dir: str | Path,
@@ -160,69 +147,40 @@ def encode_clips(
 ) -> Path:
     """Encode ``clips`` into a new latent store at ``out_dir`` (it must not hold one yet); returns the path of
     its ``index.jsonl``, written last (a store is complete once it exists)."""
-    out = Path(out_dir)
-    if (out / INDEX).exists():
-        raise DataError(f"{out}: already holds a latent store ({INDEX}); choose a new folder")
+    writer = StoreWriter(out_dir)
     vae.eval()
     temporal, spatial = _scale_factors(vae)
-    lines: list[str] = []
-    seen: set[str] = set()
-    pending: list[tuple[Clip, list[int]]] = []
+    pending: list[tuple[Clip, torch.Tensor]] = []
     channels: int | None = None
-    text_dim: int | None = None
 
     def flush() -> None:
-        nonlocal text_dim
         if not pending:
             return
         embeddings = encode_text([c.caption for c, _ in pending])
         if len(embeddings) != len(pending):
             raise DataError(f"encode_text returned {len(embeddings)} embeddings for {len(pending)} captions")
-        for (clip, shape), emb in zip(pending, embeddings):
+        for (clip, latents), emb in zip(pending, embeddings):
             if emb.dim() != 2 or emb.shape[0] == 0:
                 raise DataError(
                     f"clip {clip.id!r}: encode_text gave {list(emb.shape)}; expected [tokens, dim]"
                 )
-            if text_dim is not None and emb.shape[1] != text_dim:
-                raise DataError(f"clip {clip.id!r}: text dim {emb.shape[1]}, earlier captions had {text_dim}")
-            text_dim = int(emb.shape[1])
-            _save(out / "text" / f"{clip.id}.npy", emb, "text embeddings", clip.id)
-            record = {
-                "id": clip.id,
-                "caption": clip.caption,
-                "latents": f"latents/{clip.id}.npy",
-                "latent_shape": shape,
-                "text": f"text/{clip.id}.npy",
-                "text_shape": [int(s) for s in emb.shape],
-            }
-            lines.append(json.dumps(record, ensure_ascii=False))
+            writer.add(clip.id, clip.caption, latents, emb)
         pending.clear()
 
     for clip in clips:
-        if not _SAFE_ID.match(clip.id) or clip.id in seen:
-            why = "is used twice" if clip.id in seen else "may only hold letters, digits, '.', '_' and '-'"
-            raise DataError(f"clip id {clip.id!r} {why}")
-        seen.add(clip.id)
+        writer.check_id(clip.id)
+        if any(c.id == clip.id for c, _ in pending):
+            raise DataError(f"clip id {clip.id!r} is used twice")
         latents = encode_video(vae, clip, device)
         channels = channels or int(latents.shape[0])
-        _save(out / "latents" / f"{clip.id}.npy", latents, "latents", clip.id)
-        pending.append((clip, [int(s) for s in latents.shape]))
+        pending.append((clip, latents))
         if len(pending) >= text_batch_size:
             flush()
     flush()
-    if not lines:
-        raise DataError("encode_clips: got no clip")
     meta = {
-        "format": STORE_FORMAT,
         "vae": type(vae).__name__,
-        "latent_channels": channels,
         "scale_factor_temporal": temporal,
         "scale_factor_spatial": spatial,
         "normalised": _normaliser(vae, channels or 0) is not None,
-        "text_dim": text_dim,
     }
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    partial = out / (INDEX + ".partial")
-    partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(partial, out / INDEX)
-    return out / INDEX
+    return writer.finish(meta)

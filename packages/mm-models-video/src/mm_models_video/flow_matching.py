@@ -113,11 +113,18 @@ class FlowMatching:
     # ----------------------------------------------------------------------------------- the draws
     def draw(self, seed: int, shape: Sequence[int]) -> tuple[float, torch.Tensor]:
         """σ and float32 noise of ``shape`` for one sample, from a CPU generator seeded with ``seed``."""
+        sigma, (noise,) = self.draw_all(seed, [shape])
+        return sigma, noise
+
+    def draw_all(self, seed: int, shapes: Sequence[Sequence[int]]) -> tuple[float, list[torch.Tensor]]:
+        """One σ and float32 noise for each of ``shapes`` (e.g. a sample's video and audio latents, noised at
+        the same level), from one CPU generator seeded with ``seed``: σ first, then the noises in order (so
+        the first noise is the one :meth:`draw` gives)."""
         g = torch.Generator()
         g.manual_seed(int(seed))
         v = torch.rand((), generator=g, dtype=torch.float64)
-        noise = torch.randn(tuple(shape), generator=g, dtype=torch.float32)
-        return float(self.sigma_of(v)), noise
+        noises = [torch.randn(tuple(shape), generator=g, dtype=torch.float32) for shape in shapes]
+        return float(self.sigma_of(v)), noises
 
     def weight(self, sigma: torch.Tensor) -> torch.Tensor:
         """Per-sample loss weights (``cosmap``: ``2 / (π (1 − 2σ + 2σ²))``, Stable Diffusion 3)."""
@@ -130,15 +137,29 @@ class FlowMatching:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_t, sigmas, target)`` for a batch of clean ``latents`` [B, ...] and one seed per sample:
         ``x_t`` in the dtype of ``latents``, ``sigmas`` [B] and ``target = noise − x0`` in float32."""
-        if len(seeds) != latents.shape[0]:
-            raise ValueError(f"{len(seeds)} noise seeds for a batch of {latents.shape[0]} samples")
-        draws = [self.draw(s, latents.shape[1:]) for s in seeds]
-        sigmas = torch.tensor([d[0] for d in draws], dtype=torch.float32, device=latents.device)
-        noise = torch.stack([d[1] for d in draws]).to(latents.device)
-        x0 = latents.float()
-        s = sigmas.view(-1, *([1] * (latents.dim() - 1)))
-        x_t = s * noise + (1.0 - s) * x0
-        return x_t.to(latents.dtype), sigmas, noise - x0
+        (x_t,), sigmas, (target,) = self.noised_all([latents], seeds)
+        return x_t, sigmas, target
+
+    def noised_all(
+        self, latents: Sequence[torch.Tensor], seeds: Sequence[int]
+    ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """:meth:`noised` for several latents of one batch (e.g. video and audio) at one σ per sample: the
+        noised inputs, ``sigmas`` [B] and the targets, in the order of ``latents``."""
+        batch = latents[0].shape[0]
+        if any(x.shape[0] != batch for x in latents) or len(seeds) != batch:
+            sizes = "/".join(str(x.shape[0]) for x in latents)
+            raise ValueError(f"{len(seeds)} noise seeds for a batch of {sizes} samples")
+        draws = [self.draw_all(s, [x.shape[1:] for x in latents]) for s in seeds]
+        device = latents[0].device
+        sigmas = torch.tensor([d[0] for d in draws], dtype=torch.float32, device=device)
+        noised, targets = [], []
+        for i, x in enumerate(latents):
+            noise = torch.stack([d[1][i] for d in draws]).to(x.device)
+            x0 = x.float()
+            s = sigmas.to(x.device).view(-1, *([1] * (x.dim() - 1)))
+            noised.append((s * noise + (1.0 - s) * x0).to(x.dtype))
+            targets.append(noise - x0)
+        return noised, sigmas, targets
 
     def loss(self, prediction: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
         """The mean over samples of each sample's weighted mean squared error (float32)."""

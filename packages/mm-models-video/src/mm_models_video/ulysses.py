@@ -25,6 +25,9 @@ the sample's loss. The timestep embedding is per sample (not per token), so it n
 Only Ulysses is supported: ring attention (``parallel.ring_attention_size``) is refused, the number of heads
 must be a multiple of the Ulysses size and the tokens of every sample (frames × height × width after
 patchify) a multiple of it too (no padding: the attention is over every token).
+
+The model-independent pieces (the token split, the gather, the all-to-all attention, the mesh checks) are
+shared with LTX-2's split (:mod:`mm_models_video.ulysses_ltx2`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,56 @@ class _GatherTokens(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None, None, None
+
+
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+    """All ranks' tokens of ``x`` [B, S/U, ...] in rank order, [B, S, ...] (backward: see
+    :class:`_GatherTokens`)."""
+    gathered: torch.Tensor = _GatherTokens.apply(x, group, rank, size)
+    return gathered
+
+
+def split_tokens(
+    x: torch.Tensor, rank: int, size: int, dim: int = 1, what: str = "video tokens"
+) -> torch.Tensor:
+    """This rank's contiguous ``1/size`` of ``x`` along ``dim``; a DataError when it does not divide."""
+    n = x.shape[dim]
+    if n % size:
+        raise DataError(
+            f"parallel.ulysses_parallel_size: a sample has {n} {what} after patchify (latent "
+            f"frames × height × width over the patch size), not a multiple of the Ulysses size "
+            f"{size}; use clip sizes whose token count it divides"
+        )
+    return x.chunk(size, dim=dim)[rank]
+
+
+def ulysses_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup, size: int
+) -> torch.Tensor:
+    """Non-causal attention over the whole sequence for this rank's tokens: ``[B, S/U, H, d]`` in and out;
+    heads are exchanged for tokens with mm-parallel's all-to-all around SDPA."""
+    q, k, v = (seq_to_heads(t.transpose(1, 2), group, size) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)  # [B, H/U, S, d]
+    return heads_to_seq(out, group, size).transpose(1, 2)
+
+
+def ulysses_group(mesh: DeviceMesh, heads: int, family: str) -> tuple[dist.ProcessGroup, int, int] | None:
+    """``(group, rank, size)`` of ``mesh["ulysses"]``, None when its size is 1; ring attention and a head
+    count the size does not divide are ConfigErrors."""
+    ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
+    if ring > 1:
+        raise ConfigError(
+            f"parallel.ring_attention_size: got {ring}; {family}'s video tokens are split with Ulysses only "
+            "(use parallel.ulysses_parallel_size)"
+        )
+    if ulysses == 1:
+        return None
+    if heads % ulysses:
+        raise ConfigError(
+            f"parallel.ulysses_parallel_size: got {ulysses}; it must divide the model's num_attention_heads "
+            f"{heads}"
+        )
+    return mesh["ulysses"].get_group(), mesh["ulysses"].get_local_rank(), ulysses
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,9 +153,7 @@ class UlyssesWanAttnProcessor:
         query, key, value = (t.unflatten(2, (heads, -1)) for t in (query, key, value))  # [B, S/U, H, d]
         if rotary_emb is not None:
             query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
-        q, k, v = (seq_to_heads(t.transpose(1, 2), self.group, self.size) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)  # [B, H/U, S, d]
-        out = heads_to_seq(out, self.group, self.size).transpose(1, 2).flatten(2, 3).type_as(query)
+        out = ulysses_attention(query, key, value, self.group, self.size).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
@@ -120,14 +171,7 @@ class UlyssesSplit:
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``x`` (dim 1)."""
-        n = x.shape[1]
-        if n % self.size:
-            raise DataError(
-                f"parallel.ulysses_parallel_size: a sample has {n} video tokens after patchify (latent "
-                f"frames × height × width over the patch size), not a multiple of the Ulysses size "
-                f"{self.size}; use clip sizes whose token count it divides"
-            )
-        return x.chunk(self.size, dim=1)[self.rank]
+        return split_tokens(x, self.rank, self.size)
 
     def _split_rope(self, module: nn.Module, args: Any, output: Any) -> Any:
         return tuple(self.local(t) for t in output)
@@ -136,35 +180,22 @@ class UlyssesSplit:
         return (self.local(args[0]), *args[1:])
 
     def _gather(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        gathered: torch.Tensor = _GatherTokens.apply(output, self.group, self.rank, self.size)
-        return gathered
+        return gather_tokens(output, self.group, self.rank, self.size)
 
 
 def attach_ulysses(model: nn.Module, mesh: DeviceMesh) -> UlyssesSplit | None:
     """Make a ``WanTransformer3DModel`` (sharded or not) run Ulysses context parallel over ``mesh["ulysses"]``
     (the context-parallel mesh mm hands to ``ModelPlan.context_parallel``); None when its size is 1."""
-    ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
-    if ring > 1:
-        raise ConfigError(
-            f"parallel.ring_attention_size: got {ring}; Wan's video tokens are split with Ulysses only "
-            "(use parallel.ulysses_parallel_size)"
-        )
-    if ulysses == 1:
-        return None
     config: Any = getattr(model, "config", None)
-    heads = int(config.num_attention_heads)
-    if heads % ulysses:
-        raise ConfigError(
-            f"parallel.ulysses_parallel_size: got {ulysses}; it must divide the model's num_attention_heads "
-            f"{heads}"
-        )
+    found = ulysses_group(mesh, int(config.num_attention_heads), "Wan")
+    if found is None:
+        return None
+    group, rank, ulysses = found
     if config.added_kv_proj_dim is not None or config.image_dim is not None:
         raise ConfigError(
             "parallel.ulysses_parallel_size: image-conditioned Wan models (added_kv_proj_dim / image_dim) "
             "are not supported under context parallelism"
         )
-    group = mesh["ulysses"].get_group()
-    rank = mesh["ulysses"].get_local_rank()
     set_processor: Any = model.set_attn_processor
     set_processor(UlyssesWanAttnProcessor(group, ulysses))
     return UlyssesSplit(model, group, rank, ulysses)

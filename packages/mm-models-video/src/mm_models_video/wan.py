@@ -30,7 +30,6 @@ train the two experts.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from mm_core.errors import ConfigError, DataError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
 
+from .diffusers_model import (
+    OVERRIDES,
+    config_from,
+    config_overrides,
+    context_parallel,
+    count_tokens,
+    load_folder,
+    model_folder,
+    name_diffusers_class,
+)
 from .flow_matching import TIMESTEP_SCALE, FlowMatching
 from .ulysses import UlyssesSplit, attach_ulysses
 
@@ -55,7 +64,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'mm-models-video[diffusers]'"
     ) from exc
 
-OVERRIDES = "model.config_overrides"
 #: config_overrides keys that are training settings, not transformer config keys
 TRAINING_KEYS = ("flow_matching", "expert", "boundary_ratio")
 EXPERTS = ("high_noise", "low_noise")
@@ -98,7 +106,7 @@ def read_training(args: ModelArguments) -> WanTraining:
     options = args.config_overrides
     expert = options.get("expert")
     boundary = options.get("boundary_ratio")
-    folder = Path(args.model_name_or_path) if args.model_name_or_path else None
+    folder = model_folder(args)
     if boundary is None and folder is not None:
         boundary = _pipeline_boundary(folder)
     if expert is None and folder is not None and boundary is not None:
@@ -125,47 +133,8 @@ def read_training(args: ModelArguments) -> WanTraining:
     return WanTraining(flow, expert, float(boundary) if boundary is not None else None)
 
 
-def _config_overrides(args: ModelArguments, known: Mapping[str, Any]) -> dict[str, Any]:
-    """The transformer config keys of ``config_overrides`` (each must be a ``WanTransformer3DModel`` key)."""
-    out = {}
-    for key, value in args.config_overrides.items():
-        if key in TRAINING_KEYS:
-            continue
-        if key not in known:
-            accepted = ", ".join(sorted(k for k in known if not k.startswith("_")) + list(TRAINING_KEYS))
-            raise ConfigError(
-                f"{OVERRIDES}.{key}: not a WanTransformer3DModel config key; accepted: {accepted}"
-            )
-        out[key] = tuple(value) if key == "patch_size" else value
-    return out
-
-
-def _folder(args: ModelArguments) -> Path | None:
-    if not args.model_name_or_path:
-        return None
-    path = Path(args.model_name_or_path)
-    if not (path / "config.json").is_file():
-        hint = (
-            " (a pipeline folder: point at its transformer/ or transformer_2/)"
-            if (path / "model_index.json").is_file()
-            else ""
-        )
-        raise ConfigError(
-            f"model.model_name_or_path: {str(path)!r} is not a local diffusers model folder with a "
-            f"config.json{hint}; mm never downloads"
-        )
-    return path
-
-
-def _count_tokens(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    count: Any = model.local_tokens
-    result: torch.Tensor = count(batch)
-    return result
-
-
-def _context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    attach: Any = model.use_context_parallel
-    attach(mesh)
+def _overrides(args: ModelArguments) -> dict[str, Any]:
+    return config_overrides(args, WanTransformer3DModel, TRAINING_KEYS, ("patch_size",))
 
 
 class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc]  # diffusers: untyped base
@@ -181,8 +150,8 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
             "scale_shift_table",
             "blocks.{*}.scale_shift_table",
         ),
-        count_tokens=_count_tokens,
-        context_parallel=_context_parallel,
+        count_tokens=count_tokens,
+        context_parallel=context_parallel,
     )
 
     mm_training: WanTraining = WanTraining(FlowMatching())
@@ -192,11 +161,7 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
     @classmethod
     def _from_config(cls, args: ModelArguments) -> nn.Module:
         training = read_training(args)
-        folder = _folder(args)
-        stored: Any = cls.load_config(str(folder)) if folder is not None else {}
-        config = {k: v for k, v in dict(stored).items() if not k.startswith("_")}
-        config.update(_config_overrides(args, _init_defaults()))
-        model: Any = cls.from_config(config)
+        model: Any = config_from(cls, args, _overrides(args))
         model.mm_training = training
         built: nn.Module = model
         return built
@@ -205,28 +170,8 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
     def from_pretrained(cls, args: ModelArguments) -> nn.Module:  # type: ignore[override]
         """Load ``model.model_name_or_path`` (a local diffusers model folder); missing weights are an
         error."""
-        folder = _folder(args)
-        if folder is None:
-            raise ConfigError(
-                "model.model_name_or_path: not set; point it at a diffusers model folder (e.g. a pipeline's "
-                "transformer/), or set model.from_scratch: true"
-            )
         training = read_training(args)
-        loaded: Any = super().from_pretrained(
-            str(folder),
-            torch_dtype=torch.float32,
-            local_files_only=True,
-            output_loading_info=True,
-            **_config_overrides(args, _init_defaults()),
-        )
-        model, info = loaded
-        missing = sorted(info.get("missing_keys") or ())
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ConfigError(
-                f"model.model_name_or_path: {str(folder)!r} lacks {len(missing)} weights of "
-                f"WanTransformer3DModel ({shown}); check the folder, or set model.from_scratch: true"
-            )
+        model: Any = load_folder(super().from_pretrained, args, WanTransformer3DModel, _overrides(args))
         model.mm_training = training
         built: nn.Module = model
         return built
@@ -254,10 +199,7 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
         """diffusers' ``save_pretrained``; ``config.json`` names ``WanTransformer3DModel`` (not this class),
         so any diffusers pipeline or ``AutoModel`` loads the export."""
         super().save_pretrained(save_directory, **kwargs)
-        path = Path(save_directory) / "config.json"
-        config = json.loads(path.read_text(encoding="utf-8"))
-        config["_class_name"] = WanTransformer3DModel.__name__
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        name_diffusers_class(save_directory, WanTransformer3DModel)
 
     # -------------------------------------------------------------------------------------- parallel
     def use_context_parallel(self, mesh: DeviceMesh) -> None:
@@ -321,9 +263,3 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
         timestep = sigmas * TIMESTEP_SCALE
         prediction = self.velocity(x_t, timestep, encoder_hidden_states.to(x_t.dtype))
         return WanTrainingOutput(loss=flow.loss(prediction, target, sigmas), sigmas=sigmas)
-
-
-def _init_defaults() -> dict[str, Any]:
-    """``WanTransformer3DModel``'s config keys with their defaults (from its constructor's signature)."""
-    params = inspect.signature(WanTransformer3DModel.__init__).parameters
-    return {name: p.default for name, p in params.items() if name != "self"}
