@@ -48,9 +48,8 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None
             handle = counted.register_forward_pre_hook(lambda *_, seen=calls: seen.append(None))
             records = trainer.train()
             handle.remove()
-            head = type(
-                trainer.chunked_head
-            ).__name__  # ChunkedLossHead, or NoneType: the loss took full logits
+            # ChunkedLossHead, or NoneType: the loss took full logits
+            head = type(getattr(trainer.task, "chunked_head", None)).__name__
             results[name] = {"records": records, "calls": len(calls), "head": head}
         if rank == 0:
             Path(out, "results.json").write_text(json.dumps(results), encoding="utf-8")

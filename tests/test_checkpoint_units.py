@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from mm_core.checkpoint import (
     CheckpointSaver,
+    ModelParts,
     RNGState,
     TrainingState,
     TrainProgress,
@@ -294,6 +295,37 @@ def test_checkpoint_has_no_pickled_values_and_restores_everything(tmp_path):
     assert torch.equal(exp, ts.optimizer.state[ts.model.a.weight]["exp_avg"])
     assert other.scheduler.last_epoch == ts.scheduler.last_epoch == 1
     assert torch.equal(torch.rand(2), expected_rand)  # the RNG continues exactly
+
+
+def test_a_tasks_further_models_are_stored_beside_the_main_one(tmp_path):
+    torch.manual_seed(1)
+    ts = _ts(Tiny(), step=2)
+    critic = _ts(Tiny())
+    ts.extra["critic"] = ModelParts(critic.model, critic.optimizer, critic.scheduler)
+    save_checkpoint(tmp_path, 2, ts)
+    metadata = FileSystemReader(str(tmp_path / "step_2")).read_metadata().state_dict_metadata
+    assert {"model.a.weight", "critic.a.weight", "critic.a.bias"} <= set(metadata)
+    assert {"optimizer.json", "optimizer_critic.json", "scheduler.json", "scheduler_critic.json"} <= set(
+        metadata
+    )
+
+    torch.manual_seed(99)
+    other, other_critic = _ts(Tiny()), _ts(Tiny())
+    other.extra["critic"] = ModelParts(other_critic.model, other_critic.optimizer, other_critic.scheduler)
+    report = load_checkpoint(tmp_path / "step_2", other)
+    assert {"model", "critic", "optimizer", "optimizer_critic", "scheduler_critic"} <= set(report["loaded"])
+    for a, b in zip(other_critic.model.parameters(), critic.model.parameters()):
+        assert torch.equal(a, b)
+    exp = other_critic.optimizer.state[other_critic.model.a.weight]["exp_avg"]
+    assert torch.equal(exp, critic.optimizer.state[critic.model.a.weight]["exp_avg"])
+
+    # a checkpoint without the critic: strict names the task's model; non-strict reports its tensors
+    save_checkpoint(tmp_path / "plain", 1, TrainingState(model=Tiny()))
+    lone = TrainingState(model=Tiny(), extra={"critic": ModelParts(Tiny())})
+    with pytest.raises(CheckpointError, match="does not match the task.s model .critic.*a.weight"):
+        load_checkpoint(tmp_path / "plain" / "step_1", lone)
+    report = load_checkpoint(tmp_path / "plain" / "step_1", lone, strict=False)
+    assert sorted(report["missing_model_keys"]) == ["critic.a.bias", "critic.a.weight"]
 
 
 def test_no_save_and_no_load_switches(tmp_path):

@@ -82,7 +82,13 @@ def test_entry_points_resolve() -> None:
     assert optimizer_register.get("adamw") is build_adamw
     cls = model_register.get("qwen3")
     assert cls.__name__ == "Qwen3ForTraining"
-    assert {r.group for r in REGISTRIES} == {"mm.models", "mm.datasets", "mm.collators", "mm.optimizers"}
+    assert {r.group for r in REGISTRIES} == {
+        "mm.models",
+        "mm.datasets",
+        "mm.collators",
+        "mm.optimizers",
+        "mm.tasks",
+    }
 
 
 # ------------------------------------------------------------------------------------- unknown names

@@ -26,6 +26,7 @@ from mm_core.parallel.memory import chunked_loss_plan, describe_features, hook_g
 from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.preflight import run_preflight
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
+from mm_core.tasks.base import task_class
 from mm_parallel.device import detect_device_type
 
 GiB = 2**30
@@ -137,6 +138,7 @@ def run_check(cfg: MMConfig, world_size: int, *, quiet: bool = False, probe_grad
     if cfg.data.dataloader_param.collate_param.name:
         collator_register.get(cfg.data.dataloader_param.collate_param.name)
     optimizer_register.get(cfg.training.optimizer)
+    task_class(cfg.training.task)  # the task's own settings are checked when it builds (mm train)
     run_preflight(cfg, out)  # every path the run reads: data, tokenizer/processor, weights, training.load
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
     frozen = apply_freeze(model, cfg.model.freeze)

@@ -1,4 +1,5 @@
-"""Plugin registries backed by Python entry points (groups ``mm.models``, ``mm.datasets``, ...).
+"""Plugin registries backed by Python entry points (groups ``mm.models``, ``mm.datasets``, ``mm.collators``,
+``mm.optimizers``, ``mm.tasks``).
 
 Lookup is lazy: only the entry point asked for is imported. In-process registration with
 ``model_register.register(name)`` still works for notebooks and tests.
@@ -116,8 +117,9 @@ model_register = Registry("model", "mm.models", "model.model_id")
 data_register = Registry("dataset", "mm.datasets", "data.dataset_param.dataset_type")
 collator_register = Registry("collator", "mm.collators", "data.dataloader_param.collate_param.collator_id")
 optimizer_register = Registry("optimizer", "mm.optimizers", "training.optimizer")
+task_register = Registry("task", "mm.tasks", "training.task")
 
-REGISTRIES = (model_register, data_register, collator_register, optimizer_register)
+REGISTRIES = (model_register, data_register, collator_register, optimizer_register, task_register)
 
 
 def import_plugins(modules: list[str]) -> None:

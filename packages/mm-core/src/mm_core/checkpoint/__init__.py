@@ -2,6 +2,7 @@
 
 from mm_core.checkpoint.dcp_io import (
     CONFIG_FILE,
+    ModelParts,
     ModelState,
     TrainingState,
     TrainProgress,
@@ -15,6 +16,7 @@ from mm_core.checkpoint.saver import CheckpointSaver
 __all__ = [
     "CONFIG_FILE",
     "CheckpointSaver",
+    "ModelParts",
     "ModelState",
     "RNGState",
     "TrainProgress",

@@ -86,9 +86,21 @@ class TrainProgress:
 
 
 @dataclass
+class ModelParts:
+    """One more model of a task (``mm.tasks``) with its optimizer and lr scheduler (None: not trained by
+    an optimizer of its own, or no schedule)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+
+
+@dataclass
 class TrainingState:
     """Everything a checkpoint may hold. ``data`` (the data position) is the same on every rank and saved
-    once; ``rng`` is saved per rank under ``rng_rank<r>``."""
+    once; ``rng`` is saved per rank under ``rng_rank<r>``. The main model, its optimizer and scheduler are
+    stored under ``model``, ``optimizer`` and ``scheduler``; each model of ``extra`` under its name,
+    ``optimizer_<name>`` and ``scheduler_<name>``, in the same checkpoint (one atomic save)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
@@ -97,6 +109,11 @@ class TrainingState:
     data: Any = None  # a Stateful with tensor-only state, e.g. mm_core.data.EpochIterator
     rng: RNGState | None = None
     adapters_only: bool = False  # model part holds LoRA adapters only (training.lora.save_adapters_only)
+    extra: dict[str, ModelParts] = field(default_factory=dict)
+
+    def models(self) -> dict[str, nn.Module]:
+        """Every model by its checkpoint entry (``model`` first)."""
+        return {"model": self.model, **{name: parts.model for name, parts in self.extra.items()}}
 
 
 def _rank() -> int:
@@ -128,6 +145,12 @@ def _states(ts: TrainingState, *, optim: bool, rng: bool) -> dict[str, Any]:
         states["data"] = ts.data
     if rng and ts.rng is not None:
         states[rng_key(_rank())] = ts.rng
+    for name, parts in ts.extra.items():
+        states[name] = ModelState(parts.model)
+        if optim and parts.optimizer is not None:
+            states[f"optimizer_{name}"] = JsonTensorState(OptimizerState(parts.model, parts.optimizer))
+        if parts.scheduler is not None:
+            states[f"scheduler_{name}"] = JsonTensorState(parts.scheduler)
     return states
 
 
@@ -211,17 +234,17 @@ def tied_aliases(model: nn.Module) -> list[list[str]]:
 
 
 def _check_model_keys(
-    path: Path, ts: TrainingState, strict: bool, keys: set[str]
+    path: Path, model: nn.Module, entry: str, strict: bool, keys: set[str]
 ) -> tuple[list[str], set[str]]:
-    """Missing model keys (a tied group counts as present when any alias is stored; ``keys`` are the
-    checkpoint's flattened keys), and the aliases to skip when loading."""
-    stored = {k[len("model.") :] for k in keys if k.startswith("model.")}
-    expected = set(get_model_state_dict(ts.model))
+    """Missing keys of the model stored under ``entry`` (a tied group counts as present when any alias is
+    stored; ``keys`` are the checkpoint's flattened keys), and the aliases to skip when loading."""
+    stored = {k[len(entry) + 1 :] for k in keys if k.startswith(f"{entry}.")}
+    expected = set(get_model_state_dict(model))
     skip: set[str] = set()
-    for names in tied_aliases(ts.model):
+    for names in tied_aliases(model):
         if any(n in stored for n in names):
             skip.update(n for n in names if n not in stored)
-    if stored and all(is_adapter_key(k) for k in stored):
+    if entry == "model" and stored and all(is_adapter_key(k) for k in stored):
         # an adapters-only checkpoint: the base weights come from model.model_name_or_path
         skip.update(k for k in expected if not is_adapter_key(k))
     missing, unexpected = sorted(expected - stored - skip), sorted(stored - expected)
@@ -230,8 +253,9 @@ def _check_model_keys(
         def show(keys: list[str]) -> str:
             return ", ".join(keys[:10]) + (f" ... ({len(keys)} in all)" if len(keys) > 10 else "") or "none"
 
+        what = "the model" if entry == "model" else f"the task's model {entry!r}"
         raise CheckpointError(
-            f"training.load: {path} does not match the model (load_strict is true). Missing from the "
+            f"training.load: {path} does not match {what} (load_strict is true). Missing from the "
             f"checkpoint: {show(missing)}. Unexpected in the checkpoint: {show(unexpected)}. Set "
             "training.load_strict: false to load the matching tensors only."
         )
@@ -260,11 +284,14 @@ def load_checkpoint(
             raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
         metadata = read_metadata(path, where="training.load").state_dict_metadata
         stored_top = {k.split(".", 1)[0] for k in metadata}
-        missing, skip = _check_model_keys(path, ts, strict, set(metadata))
-        model_state = {f"model.{k}": v for k, v in get_model_state_dict(ts.model).items()}
-        check_shapes(path, metadata, model_state, "training.load")
         states = _states(ts, optim=load_optim, rng=load_rng)
-        states["model"] = ModelState(ts.model, skip=skip | set(missing))
+        missing: list[str] = []
+        for entry, model in ts.models().items():
+            absent, skip = _check_model_keys(path, model, entry, strict, set(metadata))
+            missing += absent if entry == "model" else [f"{entry}.{k}" for k in absent]
+            model_state = {f"{entry}.{k}": v for k, v in get_model_state_dict(model).items()}
+            check_shapes(path, metadata, model_state, "training.load")
+            states[entry] = ModelState(model, skip=skip | set(absent))
         states = {k: v for k, v in states.items() if k in stored_top}
         for name, obj in states.items():
             if isinstance(obj, JsonTensorState):

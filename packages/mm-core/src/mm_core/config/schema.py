@@ -252,6 +252,11 @@ class TrainingConfig(Block):
     progress_bar: bool = True
     #: torch.compile each FSDP unit (the plan's ``fsdp_units``) in place before sharding, as torchtitan does
     compile: bool = False
+    #: the training task (``mm.tasks`` entry point): its models, optimizers and step. ``standard``: one
+    #: model, one optimizer, the loss of ``model.loss_cfg`` (language models, VLMs, diffusion transformers)
+    task: str = "standard"
+    #: the task's own settings, read and checked by the task (``standard`` takes none)
+    task_param: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def grad_accum(self) -> int:

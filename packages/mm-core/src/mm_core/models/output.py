@@ -14,25 +14,22 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mm_core.errors import ConfigError
 
-
-def as_mapping(output: Any, model_name: str = "the model") -> Mapping[str, Any]:
-    """``output`` as a mapping of its fields (a ``ModelOutput`` or a dict is returned as it is)."""
-    if isinstance(output, Mapping):
+def as_mapping(output: Any) -> Any:
+    """``output`` with an opaque object (a plain dataclass, a namespace, an object with attributes) turned
+    into a dict of its fields; what FSDP2's pytree walk already sees through (a tensor, a tuple, a list, a
+    mapping such as a ``ModelOutput``) and values with no fields are returned as they are."""
+    if isinstance(output, (torch.Tensor, Mapping, tuple, list)):
         return output
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
         return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
-    if isinstance(output, (tuple, list)) or not hasattr(output, "__dict__"):
-        raise ConfigError(
-            f"model: the forward of {model_name} returned a {type(output).__name__}; mm needs an object with "
-            "a .loss attribute (and .logits unless model.loss_cfg.loss_type is raw), e.g. a transformers "
-            "ModelOutput, a dataclass, types.SimpleNamespace(loss=..., logits=...) or a dict"
-        )
-    return dict(vars(output))
+    if hasattr(output, "__dict__"):
+        return dict(vars(output))
+    return output
 
 
 def output_field(output: Any, name: str) -> Any:
@@ -44,9 +41,8 @@ def output_field(output: Any, name: str) -> Any:
 
 def normalize_outputs(model: nn.Module) -> RemovableHandle:
     """Register (before ``fully_shard``) a forward hook on ``model`` that returns its output as a mapping."""
-    name = type(model).__name__
 
     def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
-        return as_mapping(output, name)
+        return as_mapping(output)
 
     return model.register_forward_hook(hook)

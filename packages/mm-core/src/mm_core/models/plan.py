@@ -67,6 +67,10 @@ class ModelPlan:
     #: after it), called once per forward, e.g. ``"lm_head"``: mm computes the loss there in chunks
     #: (``model.loss_cfg.chunked_loss``). None: the loss is taken from the full ``.logits``
     output_head: str | None = None
+    #: fields of the forward's output (0-dim tensors, e.g. ``("video_loss", "audio_loss")``: the parts of a
+    #: joint loss) reported in the metrics beside ``loss``, each the mean over the step's micro-batches and
+    #: ranks of the model's value (micro-batches where it is None are left out)
+    loss_parts: tuple[str, ...] = ()
     #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
     #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
     init_weights: Callable[[nn.Module], None] | None = None

@@ -1,0 +1,10 @@
+"""Training tasks (``mm.tasks``, ``training.task``): what a run trains and what one step does.
+
+See :mod:`mm_core.tasks.base` for the contract, :mod:`mm_core.tasks.standard` for the default task and
+docs/tasks.md for writing one.
+"""
+
+from mm_core.tasks.base import MAIN, Task, TaskContext, TaskParts, task_class
+from mm_core.tasks.building import BuiltModel, build_model
+
+__all__ = ["MAIN", "BuiltModel", "Task", "TaskContext", "TaskParts", "build_model", "task_class"]

@@ -1,0 +1,317 @@
+"""``standard``: the default task. One model (``model:``), one optimizer (``training.optimizer``), one loss:
+mm's token loss from the model's logits and the batch's labels (``model.loss_cfg.loss_type``), or the
+model's own ``.loss`` (``loss_type: raw``: diffusion transformers, models that compute their loss).
+
+Language models, vision-language models, audio/omni models and video diffusion transformers all train
+with it. What it adds over the task contract: the loss normalisation that makes every layout train the same
+model (global loss units, see :mod:`mm_core.train.loss`), gradient accumulation with deferred reduction,
+context parallelism, the chunked loss head, the router load-balancing loss, model-FLOPs accounting,
+gradient clipping, and skipping non-finite steps; every count of a step stays on the device until one host
+sync after clipping.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from mm_core.data import move_to_device
+from mm_core.errors import ConfigError, DataError
+from mm_core.models.output import output_field
+from mm_core.models.plan import plan_of
+from mm_core.optim import build_optimizer, build_scheduler
+from mm_core.parallel.apply import check_initialised, to_dtype
+from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
+from mm_core.parallel.experts import router_aux_for
+from mm_core.parallel.memory import chunked_loss_plan
+from mm_core.tasks.base import MAIN, Task, TaskParts
+from mm_core.tasks.building import build_model
+from mm_core.train.flops import StepFlops
+from mm_core.train.loss import count_units, loss_sum, loss_weights, shift_labels
+from mm_core.train.metrics import peak_memory_gb
+from mm_core.train.nonfinite import NonFiniteGuard
+from mm_parallel.grad import clip_grad_norm_
+from mm_parallel.memory.chunked_loss import ChunkedLossHead
+
+
+class StandardTask(Task):
+    """One model, one optimizer, one loss (module docstring)."""
+
+    _flops: torch.Tensor  # this rank's model FLOPs of the current step (see mm_core.train.flops)
+
+    def build(self) -> TaskParts:
+        cfg, tcfg, state = self.ctx.cfg, self.ctx.cfg.training, self.ctx.state
+        if tcfg.task_param:
+            raise ConfigError(
+                f"training.task_param: the standard task takes no settings (got {sorted(tcfg.task_param)})"
+            )
+        built = build_model(self.ctx)
+        self.model, self.gather_plan = built.model, built.gather_plan
+        self._model_name = type(self.model).__name__
+        self._labels_withheld_ok = False
+        self._plan_shown = False
+        head_path, self.chunked_note = chunked_loss_plan(self.model, cfg)
+        head = self.model.get_submodule(head_path) if head_path else None
+        self.chunked_head = head if isinstance(head, ChunkedLossHead) else None
+        self._zero = torch.zeros((), dtype=torch.float64, device=state.device)
+        self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self.ctx.info)
+        self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
+        self.context = ContextParallel.build(self.model, cfg, state)  # None without context parallel
+        self.flops = StepFlops.of(self.model)
+        self.loss_parts = plan_of(self.model).loss_parts
+        self._one = torch.ones((), dtype=torch.float64, device=state.device)
+        dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
+        self.float_dtype = None if dtype == torch.float32 else dtype
+        optimizer = build_optimizer(self.model, tcfg, plan_of(self.model))
+        self.optimizer, self.clip_scale_only = optimizer.optimizer, optimizer.clip_scale_only
+        self.scheduler = build_scheduler(self.optimizer, tcfg)
+        return TaskParts({MAIN: self.model}, {MAIN: self.optimizer}, {MAIN: self.scheduler})
+
+    # ------------------------------------------------------------------------------------ the hooks
+    def after_load(self, path: Path, report: Any) -> None:
+        if self.ctx.cfg.training.init_model_with_meta_device:
+            check_initialised(self.model)
+
+    def before_save(self, step: int) -> None:
+        self.nonfinite.check_weights(self.model, step, self.ctx.device)
+
+    def after_step(self, step: int) -> None:
+        """The gathering plan (hook groups, prefetch) is shown once, after the forward that recorded it;
+        with ``pregather`` the first units of the next forward are all-gathered now."""
+        plan = self.gather_plan
+        if plan is None:
+            return
+        fsdp_plan = self.ctx.cfg.parallel.fsdp_plan
+        if not self._plan_shown:
+            self._plan_shown = True
+            self.ctx.info(plan.describe() + (", pregather on" if fsdp_plan.pregather else ""))
+        if fsdp_plan.pregather and step < self.ctx.cfg.training.train_iters:
+            plan.pregather()
+
+    # ------------------------------------------------------------------------------------------ step
+    def _prepare(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Move one micro-batch to the device and take out the loss targets (labels shifted by one).
+
+        Returns the model inputs, the targets (None for ``loss_type: raw``), this rank's number of loss units
+        and of input tokens (0-dim tensors on the device: no host sync). Anything that reshapes the batch for
+        a parallel layout belongs here, after the shift (so no target crosses a split)."""
+        loss_type = self.ctx.cfg.model.loss_cfg.loss_type
+        batch = move_to_device(batch, self.ctx.device, self.float_dtype)
+        if loss_type == "raw":  # (context parallel: only a model that splits itself, see ModelPlan)
+            return batch, None, self._zero, self._count_tokens(batch)
+        if "labels" not in batch:
+            raise DataError(
+                f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
+                f"{loss_type!r} computes the loss from the model's logits and the labels; use a collator "
+                "that produces labels, or loss_type: raw to use the model's own .loss"
+            )
+        targets = shift_labels(batch.pop("labels"))
+        if self.context is not None:  # this rank's part of the sequence; counts below are of that part
+            batch, targets = self.context.shard(batch, targets)
+            tokens = self.context.local_tokens(batch).to(self._zero)
+        else:
+            tokens = self._count_tokens(batch)
+        return batch, targets, count_units(targets, loss_type).to(torch.float64), tokens
+
+    def _count_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Input tokens of a micro-batch (the model plan's count, else attention-mask ones, else every
+        position), on the device."""
+        count = plan_of(self.model).count_tokens
+        if count is not None:
+            return count(self.model, batch).to(self._zero)
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            return mask.sum(dtype=torch.float64)
+        return torch.full_like(self._zero, float(batch["input_ids"].numel()))
+
+    def _forward_loss(
+        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward one micro-batch (``tokens``: this rank's input tokens of it, from :meth:`_prepare`).
+        Returns the loss to back-propagate and this rank's contribution to the reported loss (a sum over
+        loss units, or the raw loss)."""
+        moe = {"output_router_logits": True} if self.router_aux is not None else {}
+        layout = batch.get(LAYOUT_KWARG)
+        ids = batch.get("input_ids")  # none in a batch of video latents: no text attention to count
+        context = layout.segments.shape[1] if layout is not None else ids.shape[1] if ids is not None else 0
+        vision_share = 1.0 / self.ctx.state.sizes.cp if self.context and self.context.split_module else 1.0
+        loss_type = self.ctx.cfg.model.loss_cfg.loss_type
+        head = self.chunked_head if targets is not None else None
+        chunked = (
+            nullcontext()
+            if head is None or targets is None
+            else head.computing_loss(targets, loss_weights(targets, loss_type))
+        )
+        with chunked:
+            out, flops = self.flops.forward_flops(
+                lambda: self._call_model(batch, use_cache=False, **moe), tokens, context, vision_share
+            )
+        self._flops = self._flops + flops
+        for name in self.loss_parts:
+            value = output_field(out, name)
+            if isinstance(value, torch.Tensor):
+                self._parts[name] += torch.stack([value.detach().double().reshape(()), self._one])
+        if targets is None:
+            loss = output_field(out, "loss")
+            if not isinstance(loss, torch.Tensor):
+                raise ConfigError(
+                    f"model.loss_cfg.loss_type: raw trains on the model's own .loss, but the forward of "
+                    f"{self._model_name} returned loss={loss!r}; return the loss (e.g. compute it from the "
+                    "labels the batch carries), or use loss_type: per_token_loss to let mm compute it from "
+                    ".logits"
+                )
+            loss = loss * scale.to(loss.dtype)
+            return loss, loss.detach()
+        logits = output_field(out, "logits")
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(
+                f"model.loss_cfg.loss_type: {loss_type} computes the loss from the model's .logits, but the "
+                f"forward of {self._model_name} returned none; return .logits, or set "
+                "model.loss_cfg.loss_type: raw to train on the model's own .loss"
+            )
+        if head is not None:  # the head returned the summed loss as the "logits"
+            if head.calls != 1 or logits.dim() != 0:
+                raise ConfigError(
+                    f"model.loss_cfg.chunked_loss: the plan of {self._model_name} names "
+                    f"{plan_of(self.model).output_head} as its output head, but the forward called it "
+                    f"{head.calls} times and returned .logits of shape {tuple(logits.shape)} (expected one "
+                    "call whose output is returned unchanged); correct ModelPlan.output_head, or set "
+                    "model.loss_cfg.chunked_loss: false"
+                )
+            s = logits
+        else:
+            s = loss_sum(logits, targets, loss_type)
+        return self._add_router_loss(s * scale.to(s.dtype), out, batch), s.detach()
+
+    def _call_model(self, batch: dict[str, Any], **kwargs: Any) -> Any:
+        """The model's forward. mm keeps the labels unless ``loss_type: raw`` (it computes the loss from the
+        logits); a model that cannot run without them fails on its first call: say so in one line."""
+        loss_type = self.ctx.cfg.model.loss_cfg.loss_type
+        if self._labels_withheld_ok or loss_type == "raw":
+            return self.model(**batch, **kwargs)
+        try:
+            out = self.model(**batch, **kwargs)
+        except (TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"model.loss_cfg.loss_type: {loss_type} computes the loss from the logits, so mm calls the "
+                f"model without labels, and the forward of {self._model_name} failed without them "
+                f"({type(exc).__name__}: {exc}); set model.loss_cfg.loss_type: raw to train on the model's "
+                "own .loss"
+            ) from exc
+        self._labels_withheld_ok = True
+        return out
+
+    def _add_router_loss(self, loss: torch.Tensor, out: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Add ``router_aux_loss_coef`` x the load-balancing loss of the global micro-batch (this rank share,
+        scaled like the main loss for FSDP's averaging and by 1 / micro-batches); record its value."""
+        if self.router_aux is None:
+            return loss
+        mask = ContextParallel.local_mask(batch) if LAYOUT_KWARG in batch else batch.get("attention_mask")
+        share, value = self.router_aux(output_field(out, "router_logits"), mask)
+        self._aux_values.append(value.detach().to(torch.float64))
+        if not self.router_aux.coef:
+            return loss
+        return loss + share * (self.router_aux.coef * self._aux_scale)
+
+    def _defer_gradient_reduction(self, *, last: bool) -> None:
+        """Before each micro-batch's backward: HSDP and DDP layouts all-reduce across replicas once per step,
+        after the last micro-batch (the ones before keep their reduce-scattered gradients, no extra memory);
+        with ``parallel.fsdp_plan.reduce_scatter_per_micro_batch: false`` the reduce-scatter waits as well."""
+        model = self.model
+        if not isinstance(model, FSDPModule) or self.ctx.cfg.training.grad_accum == 1:
+            return
+        if not self.ctx.cfg.parallel.fsdp_plan.reduce_scatter_per_micro_batch:
+            model.set_requires_gradient_sync(last)
+        elif self.ctx.state.sizes.dp_replicate > 1:
+            model.set_requires_all_reduce(last)
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip gradients by the global norm (the optimizer's clipping policy); returns the norm, on the
+        device."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad, scale_only=self.clip_scale_only)
+
+    def train_step(
+        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
+    ) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics.
+
+        Every count stays on the device; the step makes one host sync, after clipping, that reads the loss,
+        the grad norm, the counts, the stop request (and, with ``log_memory``, the peak memory of every rank)
+        together. A non-finite loss or grad norm skips the update (``training.skip_nonfinite_steps``) or
+        stops the run.
+        """
+        raw = self.ctx.cfg.model.loss_cfg.loss_type == "raw"
+        ws = self.ctx.state.sizes.world_size
+        prepared = [self._prepare(b) for b in micro_batches]
+        # one collective for the normalisers: global loss units and input tokens
+        counts = torch.stack(
+            [torch.stack([p[2] for p in prepared]).sum(), torch.stack([p[3] for p in prepared]).sum()]
+        )
+        dist.all_reduce(counts)
+        global_units = counts[0]
+        # FSDP averages gradients over every rank it reduces across; undo that so the gradient is the one of
+        # (sum of losses / global units), the same for every layout
+        scale = torch.full_like(self._zero, 1.0 / len(prepared)) if raw else ws / global_units.clamp(min=1.0)
+        self._aux_values: list[torch.Tensor] = []
+        self._aux_scale = float(ws) / len(prepared)
+        self._flops = self._zero
+        # each loss part: [sum of the micro-batches' values, number of them], on the device
+        self._parts = {
+            name: torch.zeros(2, dtype=torch.float64, device=self._zero.device) for name in self.loss_parts
+        }
+
+        # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
+        # model FLOPs of every rank
+        loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
+        for i, (batch, targets, _, tokens) in enumerate(prepared):
+            self._defer_gradient_reduction(last=i == len(prepared) - 1)
+            loss, contrib = self._forward_loss(batch, targets, scale, tokens)
+            loss.backward()
+            loss_acc[0] += contrib.double()
+        loss_acc[1] = float(self.ctx.stop.requested)
+        loss_acc[2] = self._flops
+        if self._parts:  # the loss parts travel in the same collective
+            loss_acc = torch.cat([loss_acc, *self._parts.values()])
+        dist.all_reduce(loss_acc)
+        grad_norm = self._clip_grads()
+        stats = [loss_acc[0], grad_norm.to(loss_acc.device, torch.float64), counts[0], counts[1]]
+        stats += [loss_acc[1], loss_acc[2]]
+        aux = self._aux_values
+        stats.append(torch.stack(aux).sum() / len(aux) if aux else self._zero)
+        if log_memory:
+            peak = torch.full_like(self._zero, peak_memory_gb(self.ctx.device))
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            stats.append(peak)
+        stats += list(loss_acc[3:])  # the loss parts: (sum, count) each
+        values = torch.stack(stats).tolist()  # the step's one host sync
+        loss_sum_, gnorm, units, tokens, stop, flops, aux_value = values[:7]
+        step_loss = loss_sum_ / (ws if raw else max(units, 1.0))
+        self.ctx.agree_stop(stop > 0)
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(tokens)}
+        if self._aux_values:  # mixture-of-experts: the mean over micro-batches of the global router loss
+            metrics["aux_loss"] = aux_value
+        metrics["flops"] = flops  # of the whole step, every rank (popped for tflops_per_s and mfu)
+        parts = values[len(values) - 2 * len(self._parts) :]
+        for i, name in enumerate(self._parts):
+            total, count = parts[2 * i], parts[2 * i + 1]
+            if count:
+                metrics[name] = total / count
+        if log_memory:
+            metrics["peak_mem_gb"] = values[7]
+        step = self.ctx.progress.step + 1
+        if self.nonfinite.allows_update(step, step_loss, gnorm):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.cfg.training.skip_nonfinite_steps:
+            metrics["skipped_nonfinite_steps"] = self.nonfinite.skipped
+        return metrics

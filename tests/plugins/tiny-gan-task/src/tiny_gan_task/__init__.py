@@ -1,0 +1,1 @@
+"""A throwaway mm task plugin: a language model trained against a critic, with two optimizers."""

@@ -1,0 +1,105 @@
+"""``lm_gan``: a task with two models and two optimizers, stepped in turn (as a GAN vocoder trains).
+
+Each step, for the micro-batches of the step: (1) the critic learns to score real next tokens (one-hot) 1
+and the model's predicted distributions (detached) 0, least squares; its optimizer steps. (2) The model
+learns cross-entropy plus ``adversarial_weight`` times the least-squares term that pushes the critic's
+scores of its predictions to 1; its optimizer steps (the critic's gradients from this pass are dropped).
+Losses are means over this rank's tokens; FSDP averages the gradients over ranks, so with equal micro-batch
+sizes every layout trains the same models.
+
+``training.task_param``: ``critic`` (the critic's ``config_overrides``), ``critic_lr`` (its learning rate;
+the model uses ``training.lr``), ``adversarial_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mm_core.config.schema import ModelConfig
+from mm_core.data import move_to_device
+from mm_core.errors import ConfigError
+from mm_core.models.plan import plan_of
+from mm_core.optim import build_optimizer, build_scheduler
+from mm_core.tasks import MAIN, Task, TaskParts, build_model
+from mm_parallel.grad import clip_grad_norm_
+
+CRITIC = "critic"
+KEYS = ("critic", "critic_lr", "adversarial_weight")
+
+
+class LMGanTask(Task):
+    """The model against a critic (module docstring)."""
+
+    def build(self) -> TaskParts:
+        param = self.ctx.param
+        unknown = sorted(set(param) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"training.task_param.{unknown[0]}: unknown key; accepted: {', '.join(KEYS)}")
+        tcfg = self.ctx.cfg.training
+        self.weight = float(param.get("adversarial_weight", 0.1))
+        self.model = build_model(self.ctx).model
+        critic_cfg = ModelConfig(
+            model_id="tiny_gan_critic", from_scratch=True, config_overrides=param.get(CRITIC, {})
+        )
+        self.critic = build_model(self.ctx, critic_cfg).model
+        critic_training = tcfg.model_copy(update={"lr": float(param.get("critic_lr", tcfg.lr))})
+        self.opt = build_optimizer(self.model, tcfg, plan_of(self.model)).optimizer
+        self.opt_critic = build_optimizer(self.critic, critic_training, plan_of(self.critic)).optimizer
+        self.sched = build_scheduler(self.opt, tcfg)
+        self.sched_critic = build_scheduler(self.opt_critic, critic_training)
+        return TaskParts(
+            {MAIN: self.model, CRITIC: self.critic},
+            {MAIN: self.opt, CRITIC: self.opt_critic},
+            {MAIN: self.sched, CRITIC: self.sched_critic},
+        )
+
+    def _clip(self, module: torch.nn.Module) -> torch.Tensor:
+        params = [p for p in module.parameters() if p.requires_grad]
+        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad)
+
+    def train_step(
+        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
+    ) -> dict[str, float]:
+        n = len(micro_batches)
+        batches = [move_to_device(b, self.ctx.device, None) for b in micro_batches]
+        vocab = self.model.head.out_features
+        # (1) the critic, on the model's current predictions
+        critic_loss = torch.zeros((), device=self.ctx.device)
+        for batch in batches:
+            with torch.no_grad():
+                fake = self.model(input_ids=batch["input_ids"]).logits[:, :-1].softmax(-1)
+            real = F.one_hot(batch["input_ids"][:, 1:], vocab).float()
+            scores_real, scores_fake = self.critic(torch.cat([real, fake])).chunk(2)  # one forward
+            loss_d = ((scores_real - 1) ** 2).mean() + (scores_fake**2).mean()
+            (loss_d / n).backward()
+            critic_loss = critic_loss + loss_d.detach() / n
+        critic_norm = self._clip(self.critic)
+        self.opt_critic.step()
+        self.sched_critic.step()
+        self.opt_critic.zero_grad(set_to_none=True)
+        # (2) the model: cross-entropy plus the adversarial term
+        ce_total = torch.zeros((), device=self.ctx.device)
+        adv_total = torch.zeros((), device=self.ctx.device)
+        for batch in batches:
+            logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            adv = ((self.critic(logits.softmax(-1)) - 1) ** 2).mean()
+            ((ce + self.weight * adv) / n).backward()
+            ce_total, adv_total = ce_total + ce.detach() / n, adv_total + adv.detach() / n
+        model_norm = self._clip(self.model)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.opt_critic.zero_grad(set_to_none=True)  # the critic's gradients of pass (2)
+        ws = self.ctx.state.sizes.world_size
+        sums = self.ctx.reduce({"loss": ce_total, "loss_adv": adv_total, "loss_critic": critic_loss})
+        metrics = {k: v / ws for k, v in sums.items()}
+        metrics["grad_norm"] = float(model_norm)
+        metrics["grad_norm_critic"] = float(critic_norm)
+        metrics["lr"] = self.opt.param_groups[0]["lr"]
+        metrics["lr_critic"] = self.opt_critic.param_groups[0]["lr"]
+        return metrics
