@@ -2,9 +2,9 @@
 fp32, 3 steps of 2 micro-batches, the tiny assets of ``_audio.py`` (tones over noise of 0.3-1.7 s through each
 family's audio format, 0-2 clips per sample and, for Qwen3-Omni, 0-1 images: audio and image tokens in one
 sequence; micro-batches without audio or without images on one rank but not the other, so the idle towers
-run). Qwen3-ASR: FSDP2. Qwen3-Omni-MoE (4 fused experts, top-2, router load-balancing loss on): FSDP2,
-expert parallelism 2 and Ulysses 2 context parallelism. Losses, router losses and gradient norms agree within
-1e-5 relative, token counts exactly."""
+run). Qwen3-ASR: FSDP2. Qwen3-Omni-MoE (4 fused experts, top-2, router load-balancing loss on): FSDP2, and
+Ulysses 2 context parallelism with expert parallelism 2 over the same two ranks. Losses, router losses and
+gradient norms agree within 1e-5 relative, token counts exactly."""
 
 from __future__ import annotations
 
@@ -21,8 +21,16 @@ LAYOUTS = {
     "qwen3_omni_moe": [
         SINGLE,
         FSDP2,
-        ("ep2", 2, ["training.micro_batch_size=2", "parallel.expert_parallel_size=2"]),
-        ("ulysses2", 2, ["training.micro_batch_size=4", "parallel.ulysses_parallel_size=2"]),
+        # one run for both: the experts split over the 2 ranks that also split the sequence
+        (
+            "ulysses2_ep2",
+            2,
+            [
+                "training.micro_batch_size=4",
+                "parallel.ulysses_parallel_size=2",
+                "parallel.expert_parallel_size=2",
+            ],
+        ),
     ],
 }
 

@@ -11,7 +11,7 @@ all-to-all attention).
   loss; under Ulysses the video tokens are split and the audio stream is computed whole on both ranks, with
   the video keys and values gathered for the video-to-audio attention.
 
-LTX-2's FSDP run's last checkpoint is exported with ``mm convert dcp-to-hf`` into a folder diffusers loads."""
+Each FSDP run's last checkpoint is exported with ``mm convert dcp-to-hf`` into a folder diffusers loads."""
 
 from __future__ import annotations
 
@@ -37,14 +37,12 @@ ASSETS = {"wan2_2": make_video_assets, "ltx2": make_ltx2_assets}
 
 @pytest.fixture(scope="module", params=sorted(ASSETS))
 def runs(request, tmp_path_factory):
-    """(family, metrics by layout, the checkpoint folder of LTX-2's FSDP run: Wan's export is tested in
-    test_video_resume)."""
+    """(family, metrics by layout, the checkpoint folder of the FSDP run)."""
     family = request.param
     cfg = ASSETS[family](tmp_path_factory.mktemp(f"{family}_assets"))
     ckpt = tmp_path_factory.mktemp(f"{family}_ckpt")
     save = [f"training.save={ckpt}", f"training.save_interval={STEPS}"]
-    saving = family == "ltx2"
-    layouts = [(name, n, extra + save if saving and name == "fsdp2" else extra) for name, n, extra in LAYOUTS]
+    layouts = [(name, n, extra + save if name == "fsdp2" else extra) for name, n, extra in LAYOUTS]
     return family, train_layouts(tmp_path_factory, cfg, layouts, COMMON, timeout=180), ckpt
 
 
@@ -53,8 +51,10 @@ def test_video_models_train_the_same_in_every_layout(runs):
     family, by_layout, _ = runs
     ref = by_layout["single"]
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    # LTX-2 also reports the two parts of its joint loss (ModelPlan.loss_parts)
+    keys = ("loss", "grad_norm", "video_loss", "audio_loss") if family == "ltx2" else ("loss", "grad_norm")
     for name in ("fsdp2", "ulysses2"):
-        for key in ("loss", "grad_norm"):
+        for key in keys:
             a, b = [r[key] for r in ref], [r[key] for r in by_layout[name]]
             assert_close_series(a, b, 1e-5, f"{family} {name} {key}")
         # 2 micro-batches of 2 samples per step
@@ -64,11 +64,13 @@ def test_video_models_train_the_same_in_every_layout(runs):
             == [4 * TOKENS[family]] * STEPS
         )
     assert ref[0]["loss"] != ref[1]["loss"]  # the steps see different samples and noise
+    if family == "ltx2":  # loss = video_loss + audio_loss_weight (1) × audio_loss, per micro-batch
+        for r in ref:
+            assert r["loss"] == pytest.approx(r["video_loss"] + r["audio_loss"], rel=1e-6)
 
 
 @pytest.mark.slow
 def test_the_fsdp_checkpoint_exports_a_diffusers_folder(runs, tmp_path):
     family, _, ckpt = runs
-    if family != "ltx2":
-        pytest.skip("wan2_2's export is tested in test_video_resume")
-    assert_export_loads(ckpt / f"step_{STEPS}", tmp_path / "transformer", "LTX2VideoTransformer3DModel")
+    diffusers_class = {"wan2_2": "WanTransformer3DModel", "ltx2": "LTX2VideoTransformer3DModel"}[family]
+    assert_export_loads(ckpt / f"step_{STEPS}", tmp_path / "transformer", diffusers_class)

@@ -1,15 +1,14 @@
-"""A tiny Wan2.2 on 2 FSDP ranks resumes exactly and exports a diffusers folder.
+"""A tiny Wan2.2 on 2 FSDP ranks resumes exactly (its export is checked in ``test_video_parity``).
 
 6 samples, 2 per step: 3 steps per epoch. "6 steps straight" and "2 steps, stop, resume for 4" give identical
 losses and gradient norms, across the epoch boundary (each sample's noise seed depends on the epoch, which mm
-hands the dataset again on resume). ``mm convert dcp-to-hf`` writes a folder that diffusers'
-``WanTransformer3DModel.from_pretrained`` loads, with the checkpoint's weights."""
+hands the dataset again on resume)."""
 
 from __future__ import annotations
 
 import pytest
 from _mm import mm, read_metrics
-from _video import assert_export_loads, make_video_assets
+from _video import make_video_assets
 
 COMMON = ["training.micro_batch_size=1", "training.train_iters=6", "training.seed=11"]
 
@@ -36,9 +35,3 @@ def test_resume_is_exact_across_an_epoch(straight, tmp_path):
         assert (r["loss"], r["grad_norm"]) == (ref[r["step"]]["loss"], ref[r["step"]]["grad_norm"]), r["step"]
     # epoch 1 (steps 4-6) reads the samples of epoch 0 again, with other noise: other losses
     assert {ref[s]["loss"] for s in (1, 2, 3)}.isdisjoint({ref[s]["loss"] for s in (4, 5, 6)})
-
-
-@pytest.mark.slow
-def test_export_is_a_diffusers_folder(straight, tmp_path):
-    _, out = straight
-    assert_export_loads(out / "ckpt" / "step_6", tmp_path / "transformer", "WanTransformer3DModel")

@@ -104,3 +104,22 @@ def test_several_latents_share_each_samples_noise_level() -> None:
     assert not torch.equal(v_t[0], v_t[1])
     with pytest.raises(ValueError, match="2 noise seeds for a batch of 2/3 samples"):
         flow.noised_all([video, torch.randn(3, 5)], [1, 2])
+
+
+def test_text_dropout_is_seeded_per_sample_and_leaves_the_noise_alone() -> None:
+    seeds = list(range(1000, 3000))
+    kept = FlowMatching(text_dropout=0.1).text_kept(seeds)
+    assert kept.dtype == torch.bool and 0.08 < 1 - kept.double().mean().item() < 0.12
+    assert torch.equal(kept, FlowMatching(text_dropout=0.1).text_kept(seeds))  # the seed decides
+    assert torch.equal(kept[5:9], FlowMatching(text_dropout=0.1).text_kept(seeds[5:9]))  # per sample
+    assert bool(FlowMatching().text_kept(seeds).all())  # 0: never dropped
+    assert FlowMatching(text_dropout=0.5).draw(7, (3,))[0] == FlowMatching().draw(7, (3,))[0]
+    text = torch.randn(len(seeds), 2, 3) + 5.0
+    dropped = FlowMatching(text_dropout=0.1).drop_text(text, seeds)
+    assert torch.equal(dropped[kept], text[kept]) and bool((dropped[~kept] == 0).all())
+    key = "model.config_overrides.flow_matching"
+    assert FlowMatching.from_options({"text_dropout": 0.1}, key).text_dropout == 0.1
+    with pytest.raises(ConfigError, match="text_dropout: got 1.0; expected a probability"):
+        FlowMatching.from_options({"text_dropout": 1.0}, key)
+    with pytest.raises(ConfigError, match=f"{key}.text_dropout: got 'x'; expected a number"):
+        FlowMatching.from_options({"text_dropout": "x"}, key)

@@ -97,6 +97,19 @@ def test_training_forward_is_flow_matching_around_the_diffusers_transformer(pipe
         model(**{**batch, "latents": torch.randn(2, 16, 3, 5, 4)})
 
 
+def test_text_dropout_trains_the_dropped_samples_on_zero_text(pipeline: Path) -> None:
+    overrides = {"flow_matching": {"text_dropout": 0.5}}
+    model = ModelHub.build(
+        _args(model_name_or_path=str(pipeline / "transformer"), config_overrides=overrides)
+    )
+    batch = _batch(8)
+    kept = model.mm_training.flow.text_kept(batch["noise_seed"])
+    assert 0 < int(kept.sum()) < 8  # these seeds drop some samples' text and keep others'
+    text = batch["encoder_hidden_states"] * kept.view(-1, 1, 1)
+    plain = ModelHub.build(_args(model_name_or_path=str(pipeline / "transformer")))
+    assert torch.allclose(model(**batch).loss, plain(**{**batch, "encoder_hidden_states": text}).loss)
+
+
 def test_the_expert_and_its_boundary_come_from_the_pipeline_folder(pipeline: Path) -> None:
     low = ModelHub.build(_args(model_name_or_path=str(pipeline / "transformer_2")))
     assert low.mm_training.expert == "low_noise" and low.mm_training.boundary_ratio == 0.875

@@ -16,6 +16,12 @@ so no draw is rejected and one ``v`` gives one σ.
 seed, the epoch and the sample index, see ``mm_data_video``). A CPU generator seeded with it draws ``v`` and
 then the noise, so a sample gets the same σ and noise whatever the number of ranks, the micro-batch it
 lands in, the device, or whether the run was resumed.
+
+**Dropping the text.** With ``text_dropout: p`` a sample's text embeddings are replaced by zeros with
+probability ``p`` (decided by a second generator seeded from the same ``noise_seed``, so σ and the noise do
+not change with ``p``): the model also learns the unconditional prediction, which classifier-free guidance
+at sampling needs (``v = v(∅) + s·(v(text) − v(∅))`` with all-zero text for ``∅``). Wan and LTX-2 are
+trained this way; 0 (the default) never drops.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ SAMPLINGS = ("uniform", "logit_normal")
 WEIGHTINGS = ("none", "cosmap")
 #: ``timestep = TIMESTEP_SCALE · σ`` (diffusers' ``num_train_timesteps``)
 TIMESTEP_SCALE = 1000.0
+#: XOR-ed into a sample's ``noise_seed`` to seed its text-dropout draw (a stream apart from σ and the noise)
+TEXT_STREAM = 0x5DEECE66D
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class FlowMatching:
     #: σ is drawn from ``[low, high)`` only (one expert's range); the whole range by default
     low: float = 0.0
     high: float = 1.0
+    #: probability that a sample trains with all-zero text embeddings (classifier-free guidance)
+    text_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.timestep_sampling not in SAMPLINGS:
@@ -64,16 +74,18 @@ class FlowMatching:
             )
         if not 0.0 <= self.low < self.high <= 1.0:
             raise ValueError(f"the σ range [{self.low}, {self.high}) must satisfy 0 <= low < high <= 1")
+        if not 0.0 <= self.text_dropout < 1.0:
+            raise ValueError(f"text_dropout: got {self.text_dropout!r}; expected a probability in [0, 1)")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None, key: str) -> FlowMatching:
         """Read the YAML mapping at ``key`` (unknown keys and bad values are ConfigErrors naming the key)."""
         options = dict(options or {})
-        names = ("timestep_sampling", "logit_mean", "logit_std", "shift", "weighting")
+        names = ("timestep_sampling", "logit_mean", "logit_std", "shift", "weighting", "text_dropout")
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise ConfigError(f"{key}.{unknown[0]}: unknown key; accepted keys: {', '.join(names)}")
-        for name in ("logit_mean", "logit_std", "shift"):
+        for name in ("logit_mean", "logit_std", "shift", "text_dropout"):
             value = options.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ConfigError(f"{key}.{name}: got {value!r}; expected a number")
@@ -160,6 +172,24 @@ class FlowMatching:
             noised.append((s * noise + (1.0 - s) * x0).to(x.dtype))
             targets.append(noise - x0)
         return noised, sigmas, targets
+
+    def text_kept(self, seeds: Sequence[int]) -> torch.Tensor:
+        """Whether each sample keeps its text (bool [B]; all True when ``text_dropout`` is 0)."""
+        if self.text_dropout == 0.0:
+            return torch.ones(len(seeds), dtype=torch.bool)
+        draws = []
+        for seed in seeds:
+            g = torch.Generator()
+            g.manual_seed(int(seed) ^ TEXT_STREAM)
+            draws.append(float(torch.rand((), generator=g, dtype=torch.float64)))
+        return torch.tensor(draws, dtype=torch.float64) >= self.text_dropout
+
+    def drop_text(self, embeddings: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+        """``embeddings`` [B, ...] with the samples that drop their text set to zero (module docstring)."""
+        if self.text_dropout == 0.0:
+            return embeddings
+        kept = self.text_kept(seeds).to(embeddings.device)
+        return embeddings * kept.view(-1, *([1] * (embeddings.dim() - 1))).to(embeddings.dtype)
 
     def loss(self, prediction: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
         """The mean over samples of each sample's weighted mean squared error (float32)."""

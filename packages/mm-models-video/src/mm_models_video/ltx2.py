@@ -36,7 +36,8 @@ added). The forward returns ``.loss``, ``.video_loss``, ``.audio_loss`` (None wi
 ``.sigmas``.
 
 ``model.config_overrides``: any ``LTX2VideoTransformer3DModel`` config key, plus ``flow_matching`` (as for
-``wan2_2``), ``audio_loss_weight`` and ``frame_rate`` (the clips' frames per second, for the video rotary
+``wan2_2``; ``text_dropout`` zeroes the video text and the audio text of the same samples),
+``audio_loss_weight`` and ``frame_rate`` (the clips' frames per second, for the video rotary
 positions: the pipeline's ``frame_rate``, 24 by default).
 """
 
@@ -165,6 +166,7 @@ class LTX2ForTraining(LTX2VideoTransformer3DModel, BaseModel):  # type: ignore[m
         ),
         count_tokens=count_tokens,
         context_parallel=context_parallel,
+        loss_parts=("video_loss", "audio_loss"),  # logged beside the joint loss
     )
 
     mm_training: LTX2Training = LTX2Training(FlowMatching())
@@ -341,18 +343,21 @@ class LTX2ForTraining(LTX2VideoTransformer3DModel, BaseModel):  # type: ignore[m
         """The joint flow-matching loss of a batch (module docstring); other ``kwargs`` (``use_cache``,
         ``sample_id``) are ignored."""
         self._check(latents, audio_latents)
-        seeds = noise_seed.tolist() if isinstance(noise_seed, torch.Tensor) else list(noise_seed)
+        seeds = [
+            int(s) for s in (noise_seed.tolist() if isinstance(noise_seed, torch.Tensor) else noise_seed)
+        ]
         flow = self.mm_training.flow
         clean = [latents] if audio_latents is None else [latents, audio_latents]
-        noised, sigmas, targets = flow.noised_all(clean, [int(s) for s in seeds])
+        noised, sigmas, targets = flow.noised_all(clean, seeds)
         config: Any = self.config
         timestep = sigmas * float(config.timestep_scale_multiplier)
+        audio_text = audio_encoder_hidden_states
         video, audio = self.velocity(
             noised[0],
             noised[1] if audio_latents is not None else None,
             timestep,
-            encoder_hidden_states,
-            audio_encoder_hidden_states,
+            flow.drop_text(encoder_hidden_states, seeds),
+            None if audio_text is None else flow.drop_text(audio_text, seeds),
             encoder_attention_mask,
         )
         video_loss = flow.loss(video, targets[0], sigmas)

@@ -23,7 +23,8 @@ the boundary are read from the folder name and the parent's ``model_index.json``
 train the two experts.
 
 ``model.config_overrides``: any ``WanTransformer3DModel`` config key (e.g. ``num_layers``), plus
-``flow_matching`` (``timestep_sampling``, ``logit_mean``, ``logit_std``, ``shift``, ``weighting``),
+``flow_matching`` (``timestep_sampling``, ``logit_mean``, ``logit_std``, ``shift``, ``weighting``,
+``text_dropout``),
 ``expert`` (``high_noise`` / ``low_noise``) and ``boundary_ratio``.
 """
 
@@ -257,9 +258,12 @@ class Wan22ForTraining(WanTransformer3DModel, BaseModel):  # type: ignore[misc] 
                 f"latents of shape {tuple(latents.shape)}: frames/height/width must be multiples of the "
                 f"patch size {(p_t, p_h, p_w)}"
             )
-        seeds = noise_seed.tolist() if isinstance(noise_seed, torch.Tensor) else list(noise_seed)
+        seeds = [
+            int(s) for s in (noise_seed.tolist() if isinstance(noise_seed, torch.Tensor) else noise_seed)
+        ]
         flow = self.mm_training.flow
-        x_t, sigmas, target = flow.noised(latents, [int(s) for s in seeds])
+        x_t, sigmas, target = flow.noised(latents, seeds)
         timestep = sigmas * TIMESTEP_SCALE
-        prediction = self.velocity(x_t, timestep, encoder_hidden_states.to(x_t.dtype))
+        text = flow.drop_text(encoder_hidden_states.to(x_t.dtype), seeds)
+        prediction = self.velocity(x_t, timestep, text)
         return WanTrainingOutput(loss=flow.loss(prediction, target, sigmas), sigmas=sigmas)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# torchrun launcher; run on every node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Accelerator environment, only where it exists (Ascend CANN toolkit).
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+fi
+[[ -d examples/moving_digits_t2v/build ]] || python examples/moving_digits_t2v/build_data.py
+torchrun --nproc_per_node "${NPROC_PER_NODE:-2}" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29517}" \
+  -m mm_core.train examples/moving_digits_t2v/config.yaml "$@"
