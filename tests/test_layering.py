@@ -26,6 +26,7 @@ ORDER = [
     "mm_models_funasr",
     "mm_models_video",
     "mm_data_video",
+    "mm_models_cosyvoice",
 ]
 PLUGINS = {
     "mm_models_qwen",
@@ -38,6 +39,7 @@ PLUGINS = {
     "mm_models_funasr",
     "mm_models_video",
     "mm_data_video",
+    "mm_models_cosyvoice",
 }
 
 

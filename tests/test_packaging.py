@@ -23,6 +23,7 @@ PACKAGES = {
     "mm-models-funasr": ("mm_models_funasr", {"mm-core"}),
     "mm-models-video": ("mm_models_video", {"mm-core"}),
     "mm-data-video": ("mm_data_video", {"mm-core"}),
+    "mm-models-cosyvoice": ("mm_models_cosyvoice", {"mm-core"}),
 }
 
 

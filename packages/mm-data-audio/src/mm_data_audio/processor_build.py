@@ -122,3 +122,20 @@ def build_qwen3_asr_processor(
         vocab_size=vocab_size,
         chat_template=chat_template,
     )
+
+
+#: Qwen3-TTS's text-side special tokens (ids in the model's config.json: tts_pad/bos/eos_token_id)
+TTS_TOKENS = ("<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>")
+
+
+def build_tts_tokenizer(
+    texts: Iterable[str], out_dir: str | Path, *, vocab_size: int = 512
+) -> dict[str, int]:
+    """Train a byte-level BPE on ``texts`` with ChatML's and Qwen3-TTS's special tokens into ``out_dir`` (the
+    tokenizer of a tiny Qwen3-TTS model folder, for ``tts_codes``); returns the special tokens' ids, which
+    the folder's ``config.json`` must name (``im_start_token_id``, ``tts_pad_token_id``, ...)."""
+    specials = (EOS_TOKEN, IM_START, IM_END, *TTS_TOKENS)
+    out = write_bytelevel_bpe(texts, vocab_size, out_dir, special_tokens=specials, chat_template=CHATML)
+    vocab = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    ids = {t["content"]: int(t["id"]) for t in vocab}
+    return {name: ids[name] for name in specials}
