@@ -12,9 +12,9 @@ from _cosy_fixtures import TINY_FLOW, VOCAB, flow_args
 
 from mm_core.errors import ConfigError, DataError
 from mm_core.models import ModelArguments
+from mm_models_cosyvoice.convert import convert_official
 from mm_models_cosyvoice.dit import apply_rotary, attention_mask, timestep_features
 from mm_models_cosyvoice.flow import CosyVoice3FlowForTraining, FlowConfig, draw
-from mm_models_cosyvoice.weights import convert_official
 
 
 def official_flow_keys(depth: int) -> dict[str, tuple[str, ...]]:

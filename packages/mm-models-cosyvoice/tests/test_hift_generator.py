@@ -184,7 +184,7 @@ def test_loads_hift_pt_in_either_weight_norm_layout(tmp_path, layout):
 
 
 def test_convert_official_writes_safetensors_for_meta_builds(tmp_path):
-    from mm_models_cosyvoice.weights import convert_official
+    from mm_models_cosyvoice.convert import convert_official
 
     source = tiny(seed=2)
     (tmp_path / "official").mkdir()

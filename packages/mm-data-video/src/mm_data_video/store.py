@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from mm_core.data.records import iter_store_index
 from mm_core.errors import DataError
 
 INDEX = "index.jsonl"
@@ -123,46 +124,25 @@ def read_index(root: str | Path) -> list[LatentRecord]:
         if fmt != STORE_FORMAT:
             raise DataError(f"{meta}: store format {fmt!r}; this mm-data-video reads format {STORE_FORMAT}")
     records: list[LatentRecord] = []
-    seen: dict[str, str] = {}
-    with index.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{index}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{where}: not a JSON object ({exc})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            missing = [k for k in ("id", "latents", "text", "latent_shape", "text_shape") if k not in obj]
-            if missing:
-                raise DataError(f"{where}: missing {', '.join(missing)}")
-            sid = obj["id"]
-            if not isinstance(sid, str) or not sid:
-                raise DataError(f"{where}: id must be a non-empty string, got {sid!r}")
-            where = f"{where} ({sid})"
-            if sid in seen:
-                raise DataError(f"{where}: id {sid!r} is also at {seen[sid]}")
-            seen[sid] = where
-            caption = obj.get("caption", "")
-            if not isinstance(caption, str):
-                raise DataError(f"{where}: caption must be a string, got {caption!r}")
-            latent_shape = _shape(obj["latent_shape"], 4, "latent_shape", where)
-            text_shape = _shape(obj["text_shape"], 2, "text_shape", where)
-            audio = _audio_fields(root, obj, text_shape, where)
-            records.append(
-                LatentRecord(
-                    where=where,
-                    id=sid,
-                    caption=caption,
-                    latents=_relative(root, obj["latents"], "latents", where),
-                    text=_relative(root, obj["text"], "text", where),
-                    latent_shape=latent_shape,  # type: ignore[arg-type]  # rank checked by _shape
-                    text_shape=text_shape,  # type: ignore[arg-type]  # rank checked by _shape
-                    **audio,
-                )
+    for where, obj in iter_store_index(index, ("latents", "text", "latent_shape", "text_shape")):
+        caption = obj.get("caption", "")
+        if not isinstance(caption, str):
+            raise DataError(f"{where}: caption must be a string, got {caption!r}")
+        latent_shape = _shape(obj["latent_shape"], 4, "latent_shape", where)
+        text_shape = _shape(obj["text_shape"], 2, "text_shape", where)
+        audio = _audio_fields(root, obj, text_shape, where)
+        records.append(
+            LatentRecord(
+                where=where,
+                id=obj["id"],
+                caption=caption,
+                latents=_relative(root, obj["latents"], "latents", where),
+                text=_relative(root, obj["text"], "text", where),
+                latent_shape=latent_shape,  # type: ignore[arg-type]  # rank checked by _shape
+                text_shape=text_shape,  # type: ignore[arg-type]  # rank checked by _shape
+                **audio,
             )
+        )
     if not records:
         raise DataError(f"{index}: holds no record")
     return records

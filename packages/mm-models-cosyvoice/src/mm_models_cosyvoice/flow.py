@@ -266,7 +266,7 @@ class CosyVoice3FlowForTraining(nn.Module, BaseModel):
                 f"model.model_name_or_path: {path!r} holds {OFFICIAL_FILE} but no {SAFETENSORS_FILE}, "
                 "which a meta-device build (training.init_model_with_meta_device) needs; convert it once "
                 "with "
-                "mm_models_cosyvoice.weights.convert_official('cosyvoice3_flow', SRC, DST), or build "
+                "mm_models_cosyvoice.convert.convert_official('cosyvoice3_flow', SRC, DST), or build "
                 "without the meta device"
             )
         return cls(read_flow_config(args))

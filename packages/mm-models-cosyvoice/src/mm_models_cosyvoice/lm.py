@@ -180,7 +180,7 @@ class CosyVoice3LMForTraining(nn.Module, BaseModel):
                 f"model.model_name_or_path: {path!r} holds {OFFICIAL_FILE} but no {SAFETENSORS_FILE}, "
                 "which a meta-device build (training.init_model_with_meta_device) needs; convert it once "
                 "with "
-                "mm_models_cosyvoice.weights.convert_official('cosyvoice3_lm', SRC, DST), or build "
+                "mm_models_cosyvoice.convert.convert_official('cosyvoice3_lm', SRC, DST), or build "
                 "without the meta device"
             )
         config, speech_vocab = read_config(args)

@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from mm_core.data.records import iter_store_index
 from mm_core.errors import DataError
 
 from .audio import HOP, N_MELS, SAMPLE_RATE, TOKEN_SAMPLES, fit_length, log_mel, read_wav, resample, write_wav
@@ -138,42 +139,21 @@ def read_index(root: str | Path) -> list[SpeechRecord]:
             f"{root}: no {INDEX}; a speech store is written by mm_models_cosyvoice.store.write_store"
         )
     records: list[SpeechRecord] = []
-    seen: dict[str, str] = {}
-    with index.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{index}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{where}: not a JSON object ({exc})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            missing = [k for k in ("id", "text", "audio", "speech_tokens", "mel") if k not in obj]
-            if missing:
-                raise DataError(f"{where}: missing {', '.join(missing)}")
-            sid = obj["id"]
-            if not isinstance(sid, str) or not sid:
-                raise DataError(f"{where}: id must be a non-empty string, got {sid!r}")
-            where = f"{where} ({sid})"
-            if sid in seen:
-                raise DataError(f"{where}: id {sid!r} is also at {seen[sid]}")
-            seen[sid] = where
-            if not isinstance(obj["text"], str):
-                raise DataError(f"{where}: text must be a string, got {obj['text']!r}")
-            speaker = obj.get("speaker")
-            records.append(
-                SpeechRecord(
-                    where=where,
-                    id=sid,
-                    text=obj["text"],
-                    audio=_relative(root, obj["audio"], "audio", where),
-                    speech_tokens=_relative(root, obj["speech_tokens"], "speech_tokens", where),
-                    mel=_relative(root, obj["mel"], "mel", where),
-                    speaker=None if speaker is None else _relative(root, speaker, "speaker", where),
-                )
+    for where, obj in iter_store_index(index, ("text", "audio", "speech_tokens", "mel")):
+        if not isinstance(obj["text"], str):
+            raise DataError(f"{where}: text must be a string, got {obj['text']!r}")
+        speaker = obj.get("speaker")
+        records.append(
+            SpeechRecord(
+                where=where,
+                id=obj["id"],
+                text=obj["text"],
+                audio=_relative(root, obj["audio"], "audio", where),
+                speech_tokens=_relative(root, obj["speech_tokens"], "speech_tokens", where),
+                mel=_relative(root, obj["mel"], "mel", where),
+                speaker=None if speaker is None else _relative(root, speaker, "speaker", where),
             )
+        )
     if not records:
         raise DataError(f"{index}: no records")
     return records

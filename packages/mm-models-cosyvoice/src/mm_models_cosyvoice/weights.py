@@ -5,7 +5,8 @@ The official files are plain state dicts under the module names this package kee
 layers.0...``, ``decoder.estimator.transformer_blocks.0...``), saved with ``torch.save``; they are read with
 ``torch.load(weights_only=True)`` (tensors only, no code). A model built on the meta device
 (``training.init_model_with_meta_device``) is filled by mm from safetensors files only, so an official file
-is converted once with :func:`convert_official` (or by building without the meta device).
+is converted once with :func:`mm_models_cosyvoice.convert.convert_official` (or by building without the meta
+device).
 """
 
 from __future__ import annotations
@@ -101,27 +102,3 @@ def save_safetensors(model: nn.Module, folder: Path) -> None:
     aliases = {n for names in tied_groups(model) for n in names[1:]}
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     save_file(state, str(folder / SAFETENSORS_FILE))
-
-
-def convert_official(model_id: str, src: str | Path, dst: str | Path, **config_overrides: Any) -> Path:
-    """Write the official weights of stage ``model_id`` (``cosyvoice3_lm``: ``src/llm.pt`` with
-    ``src/CosyVoice-BlankEN/config.json``; ``cosyvoice3_flow``: ``src/flow.pt``; ``cosyvoice3_hift``:
-    ``src/hift.pt``) as a folder ``dst`` that
-    mm loads on the meta device too (``config.json`` + ``model.safetensors``)."""
-    from mm_core.models import ModelArguments
-
-    from .flow import CosyVoice3FlowForTraining
-    from .hift import HiFTGenerator
-    from .lm import CosyVoice3LMForTraining
-
-    classes: dict[str, Any] = {
-        "cosyvoice3_lm": CosyVoice3LMForTraining,
-        "cosyvoice3_flow": CosyVoice3FlowForTraining,
-        "cosyvoice3_hift": HiFTGenerator,
-    }
-    if model_id not in classes:
-        raise ConfigError(f"convert_official: model_id {model_id!r}; accepted: {', '.join(classes)}")
-    args = ModelArguments(model_id=model_id, model_name_or_path=str(src), config_overrides=config_overrides)
-    model = classes[model_id].from_pretrained(args)
-    model.save_pretrained(Path(dst))
-    return Path(dst)

@@ -10,7 +10,7 @@ it into a ``DataError`` naming it. A problem with a whole file is a ``DataError`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,36 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any] | RecordError
         return
     for i, obj in enumerate(read_json_list(path)):
         yield f"{path}[{i}]", obj if isinstance(obj, dict) else RecordError("a record must be a JSON object")
+
+
+def iter_store_index(index: Path, required: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The records of a sample store's ``index.jsonl`` (mm-data-video's latent stores, mm-models-cosyvoice's
+    speech stores): ``(where, record)`` for each JSON object, ``where`` being ``index:line (id)``. Each must
+    hold the ``required`` keys and an ``id``, a non-empty string no other line has; anything else is a
+    DataError naming the line."""
+    seen: dict[str, str] = {}
+    with index.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{index}:{line_no}"
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{where}: not a JSON object ({exc})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            missing = [k for k in ("id", *required) if k not in obj]
+            if missing:
+                raise DataError(f"{where}: missing {', '.join(missing)}")
+            sid = obj["id"]
+            if not isinstance(sid, str) or not sid:
+                raise DataError(f"{where}: id must be a non-empty string, got {sid!r}")
+            where = f"{where} ({sid})"
+            if sid in seen:
+                raise DataError(f"{where}: id {sid!r} is also at {seen[sid]}")
+            seen[sid] = where
+            yield where, obj
 
 
 def record_turns(record: dict[str, Any]) -> list[dict[str, str]]:
