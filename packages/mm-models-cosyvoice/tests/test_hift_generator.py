@@ -214,7 +214,7 @@ def test_a_checkpoint_of_another_structure_is_refused(tmp_path):
             _args(tmp_path).model_copy(update={"config_overrides": {"base_channels": 32}})
         )
     # on the meta device mm reads safetensors only: hift.pt alone would be silently ignored
-    with pytest.raises(ConfigError, match="init_model_with_meta_device loads safetensors only"):
+    with pytest.raises(ConfigError, match="holds hift.pt but no model.safetensors"):
         HiFTGenerator._from_config(_args(tmp_path))
 
 

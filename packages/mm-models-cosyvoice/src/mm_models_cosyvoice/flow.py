@@ -56,7 +56,12 @@ from mm_core.errors import ConfigError, DataError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
 
 from .dit import DiT
-from .weights import SAFETENSORS_FILE, load_checked, read_state, save_safetensors
+from .weights import (
+    load_checked,
+    read_state,
+    refuse_official_only_on_meta,
+    save_safetensors,
+)
 
 OVERRIDES = "model.config_overrides"
 OFFICIAL_FILE = "flow.pt"
@@ -258,17 +263,7 @@ class CosyVoice3FlowForTraining(nn.Module, BaseModel):
     # --------------------------------------------------------------------------------------- building
     @classmethod
     def _from_config(cls, args: ModelArguments) -> CosyVoice3FlowForTraining:
-        path = args.model_name_or_path
-        official = bool(path) and (Path(str(path)) / OFFICIAL_FILE).is_file()
-        if not args.from_scratch and official and not (Path(str(path)) / SAFETENSORS_FILE).is_file():
-            # on the meta device mm fills weights from safetensors only: the official file would be ignored
-            raise ConfigError(
-                f"model.model_name_or_path: {path!r} holds {OFFICIAL_FILE} but no {SAFETENSORS_FILE}, "
-                "which a meta-device build (training.init_model_with_meta_device) needs; convert it once "
-                "with "
-                "mm_models_cosyvoice.convert.convert_official('cosyvoice3_flow', SRC, DST), or build "
-                "without the meta device"
-            )
+        refuse_official_only_on_meta(args, OFFICIAL_FILE, "cosyvoice3_flow")
         return cls(read_flow_config(args))
 
     @classmethod

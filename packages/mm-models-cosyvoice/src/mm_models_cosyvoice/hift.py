@@ -55,7 +55,7 @@ from .hift_layers import (
     reset_parameters,
     weight_normed,
 )
-from .weights import load_checked, read_state, save_safetensors
+from .weights import load_checked, read_state, refuse_official_only_on_meta, save_safetensors
 
 #: samples per mel frame of the speech store (24 kHz, 50 Hz frames)
 MEL_HOP = 480
@@ -340,16 +340,7 @@ class HiFTGenerator(nn.Module, BaseModel):
 
     @classmethod
     def _from_config(cls, args: ModelArguments) -> HiFTGenerator:
-        folder = Path(args.model_name_or_path or ".")
-        official_only = (folder / TORCH_FILE).is_file() and not (folder / SAFETENSORS_FILE).is_file()
-        if not args.from_scratch and args.model_name_or_path and official_only:
-            # built on the meta device, mm fills weights from safetensors only: hift.pt would be ignored
-            raise ConfigError(
-                f"model.model_name_or_path: {str(folder)!r} holds {TORCH_FILE} but no {SAFETENSORS_FILE}; "
-                "training.init_model_with_meta_device loads safetensors only: convert it once with "
-                "mm_models_cosyvoice.hift.HiFTGenerator.from_pretrained(...).save_pretrained(folder), or set "
-                "training.init_model_with_meta_device: false (the vocoder is small)"
-            )
+        refuse_official_only_on_meta(args, TORCH_FILE, MODEL_TYPE)
         return cls(cls.config_of(args))
 
     @classmethod

@@ -47,7 +47,12 @@ from mm_core.models import BaseModel, ModelArguments, ModelPlan
 from mm_core.train.loss import IGNORE_INDEX, shift_labels
 
 from .sequence import SpeechIds, prompt_sequence
-from .weights import SAFETENSORS_FILE, load_checked, read_state, save_safetensors
+from .weights import (
+    load_checked,
+    read_state,
+    refuse_official_only_on_meta,
+    save_safetensors,
+)
 
 OVERRIDES = "model.config_overrides"
 OFFICIAL_FILE = "llm.pt"
@@ -172,17 +177,7 @@ class CosyVoice3LMForTraining(nn.Module, BaseModel):
     # --------------------------------------------------------------------------------------- building
     @classmethod
     def _from_config(cls, args: ModelArguments) -> CosyVoice3LMForTraining:
-        path = args.model_name_or_path
-        official = bool(path) and (Path(str(path)) / OFFICIAL_FILE).is_file()
-        if not args.from_scratch and official and not (Path(str(path)) / SAFETENSORS_FILE).is_file():
-            # on the meta device mm fills weights from safetensors only: the official file would be ignored
-            raise ConfigError(
-                f"model.model_name_or_path: {path!r} holds {OFFICIAL_FILE} but no {SAFETENSORS_FILE}, "
-                "which a meta-device build (training.init_model_with_meta_device) needs; convert it once "
-                "with "
-                "mm_models_cosyvoice.convert.convert_official('cosyvoice3_lm', SRC, DST), or build "
-                "without the meta device"
-            )
+        refuse_official_only_on_meta(args, OFFICIAL_FILE, "cosyvoice3_lm")
         config, speech_vocab = read_config(args)
         return cls(config, speech_vocab)
 

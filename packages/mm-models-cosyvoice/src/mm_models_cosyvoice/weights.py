@@ -102,3 +102,20 @@ def save_safetensors(model: nn.Module, folder: Path) -> None:
     aliases = {n for names in tied_groups(model) for n in names[1:]}
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     save_file(state, str(folder / SAFETENSORS_FILE))
+
+
+def refuse_official_only_on_meta(args: Any, official_file: str, model_id: str) -> None:
+    """In ``_from_config`` (the meta-device build): a ConfigError when ``model.model_name_or_path`` holds the
+    official ``official_file`` but no ``model.safetensors``. mm fills a meta-built model from safetensors
+    only, so the official weights would be silently replaced by a fresh initialisation."""
+    path = args.model_name_or_path
+    if args.from_scratch or not path:
+        return
+    folder = Path(str(path))
+    if (folder / official_file).is_file() and not (folder / SAFETENSORS_FILE).is_file():
+        raise ConfigError(
+            f"model.model_name_or_path: {str(path)!r} holds {official_file} but no {SAFETENSORS_FILE}, "
+            "which a meta-device build (training.init_model_with_meta_device) needs; convert it once with "
+            f"mm_models_cosyvoice.convert.convert_official({model_id!r}, SRC, DST), or build without the "
+            "meta device"
+        )
