@@ -95,8 +95,8 @@ class Trainer:
         self.parts: TaskParts = self.task.build()
         self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
         dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
-        self._peak_tflops = peak_tflops(self.state.device, None if dtype == torch.float32 else dtype,
-                                        cfg.tools.peak_tflops)  # fmt: skip
+        float_dtype = None if dtype == torch.float32 else dtype
+        self._peak_tflops = peak_tflops(self.state.device, float_dtype, cfg.tools.peak_tflops)
 
         dataset = build_dataset(cfg.data, tcfg.seed)
         collate = build_collator(cfg.data, dataset)
