@@ -12,6 +12,24 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
 
 
+def quickstart_text_data(seq_len: int) -> dict:
+    """The YAML ``data:`` block of the quickstart's real text (the Python reference, its local tokenizer),
+    packed into sequences of ``seq_len`` tokens, with absolute paths."""
+    folder = QUICKSTART.parent
+    return {
+        "dataset_param": {
+            "dataset_type": "text_pretrain",
+            "basic_parameters": {
+                "dataset_dir": str(folder / "data"),
+                "dataset": "python_reference.jsonl",
+                "seq_len": seq_len,
+            },
+            "preprocess_parameters": {"model_name_or_path": str(folder / "tokenizer")},
+        },
+        "dataloader_param": {"collate_param": {"collator_id": "llm_pretrain"}},
+    }
+
+
 def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run the ``mm`` CLI in a subprocess (one thread per rank, as on the CI machine)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _mm import quickstart_text_data
+from _pip_package import installed, providers
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO_ROOT / "examples" / "quickstart"
 DIST = "tiny-mm-plugin"
 VERSION = "0.0.1"
 SEQ_LEN = 64
@@ -106,13 +106,6 @@ class TinyLM(nn.Module, BaseModel):
 '''
 
 
-def pip(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env, timeout=300
-    )
-
-
 def mm(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
@@ -128,59 +121,29 @@ def mm(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProce
     )
 
 
-def tiny_mlp_entry_points() -> list[str]:
-    """The distributions that provide ``tiny_mlp``, seen by a fresh interpreter."""
-    code = (
-        "import json; from importlib.metadata import entry_points; "
-        "print(json.dumps([ep.dist.name for ep in entry_points(group='mm.models') if ep.name == 'tiny_mlp']))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
 @pytest.fixture(scope="module")
 def installed_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Write the package, pip-install it (no deps, no build isolation, no index), uninstall it afterwards."""
-    root = tmp_path_factory.mktemp("tiny_mm_plugin_src")
-    (root / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
-    (root / "README.md").write_text("A throwaway mm plugin.\n", encoding="utf-8")
+    root = tmp_path_factory.mktemp("tiny_mm_plugin_src") / "tiny-mm-plugin"
     pkg = root / "src" / "tiny_mm_plugin"
     pkg.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
+    (root / "README.md").write_text("A throwaway mm plugin.\n", encoding="utf-8")
     (pkg / "__init__.py").write_text('"""Throwaway mm plugin."""\n', encoding="utf-8")
     (pkg / "model.py").write_text(MODEL, encoding="utf-8")
-    assert tiny_mlp_entry_points() == [], "a tiny_mlp plugin is already installed; uninstall it first"
-
-    proc = pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(root))
-    try:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        yield root
-    finally:
-        out = pip("uninstall", "-y", DIST)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert tiny_mlp_entry_points() == [], "the plugin is still installed after pip uninstall"
+    with installed(root, DIST, "mm.models", "tiny_mlp", tmp_path_factory.mktemp("tiny_mm_plugin")) as copy:
+        yield copy
 
 
 @pytest.mark.slow
 def test_installed_plugin_trains_on_two_processes(installed_plugin: Path, tmp_path: Path) -> None:
     # installed as a real distribution, not imported from its source folder
-    assert tiny_mlp_entry_points() == [DIST]
+    assert providers("mm.models", "tiny_mlp") == [DIST]
 
     out_dir = tmp_path / "out"
     cfg = {
         "parallel": {"fully_shard_parallel_size": "auto"},  # no fsdp_plan: the model's default plan is used
-        "data": {
-            "dataset_param": {
-                "dataset_type": "text_pretrain",
-                "basic_parameters": {
-                    "dataset_dir": str(QUICKSTART / "data"),
-                    "dataset": "python_reference.jsonl",
-                    "seq_len": SEQ_LEN,
-                },
-                "preprocess_parameters": {"model_name_or_path": str(QUICKSTART / "tokenizer")},
-            },
-            "dataloader_param": {"collate_param": {"collator_id": "llm_pretrain"}},
-        },
+        "data": quickstart_text_data(SEQ_LEN),
         "model": {
             "model_id": "tiny_mlp",
             "from_scratch": True,

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 import yaml
-from _mm import REPO, assert_close_series, mm, read_metrics, train_layouts
+from _mm import REPO, assert_close_series, mm, quickstart_text_data, read_metrics, train_layouts
 from _pip_package import installed
 
-QUICKSTART = REPO / "examples" / "quickstart"
 PACKAGE = REPO / "tests" / "plugins" / "tiny-gan-task"
 STEPS = 4
 COMMON = [
@@ -35,18 +34,7 @@ METRICS = ("loss", "loss_adv", "loss_critic", "grad_norm", "grad_norm_critic")
 def _config(path: Path) -> Path:
     cfg = {
         "parallel": {"fully_shard_parallel_size": "auto"},
-        "data": {
-            "dataset_param": {
-                "dataset_type": "text_pretrain",
-                "basic_parameters": {
-                    "dataset_dir": str(QUICKSTART / "data"),
-                    "dataset": "python_reference.jsonl",
-                    "seq_len": 32,
-                },
-                "preprocess_parameters": {"model_name_or_path": str(QUICKSTART / "tokenizer")},
-            },
-            "dataloader_param": {"collate_param": {"collator_id": "llm_pretrain"}},
-        },
+        "data": quickstart_text_data(32),
         "model": {
             "model_id": "tiny_gan_lm",
             "from_scratch": True,

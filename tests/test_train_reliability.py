@@ -19,30 +19,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _mm import REPO, read_metrics
+from _mm import REPO, quickstart_text_data, read_metrics
 
 from mm_core.checkpoint import read_latest
 from mm_core.config.schema import TrainingConfig
 from mm_core.optim.scheduler import lr_factor
 
-QUICKSTART = REPO / "examples" / "quickstart"
-
 
 def write_config(tmp_path: Path, model: dict, **training) -> Path:
     cfg = {
         "parallel": {"fully_shard_parallel_size": "auto"},
-        "data": {
-            "dataset_param": {
-                "dataset_type": "text_pretrain",
-                "basic_parameters": {
-                    "dataset_dir": str(QUICKSTART / "data"),
-                    "dataset": "python_reference.jsonl",
-                    "seq_len": 32,
-                },
-                "preprocess_parameters": {"model_name_or_path": str(QUICKSTART / "tokenizer")},
-            },
-            "dataloader_param": {"collate_param": {"collator_id": "llm_pretrain"}},
-        },
+        "data": quickstart_text_data(32),
         "model": {"from_scratch": True, **model},
         "training": {
             "micro_batch_size": 2,
