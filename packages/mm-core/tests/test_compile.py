@@ -89,6 +89,20 @@ def test_compile_failure_names_the_module_and_the_hint() -> None:
         layer(torch.ones(2, 4))
 
 
+class _NoTensorWork(nn.Module):
+    """A forward with no tensor operation: dynamo has nothing to capture."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_compile_that_captures_nothing_is_an_error() -> None:
+    module = _NoTensorWork()
+    compile_modules([("blocks.0", module)], error_hint="set training.compile: false")
+    with pytest.raises(CompileError, match=r"captured no graph on blocks\.0 \(_NoTensorWork\).*training\.compile"):
+        module(torch.ones(2, 4))
+
+
 def test_compile_plan_in_mm_check(
     good_raw: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -188,11 +188,16 @@ def test_every_training_forward_runs_the_vision_tower_twice(samples):
 
 
 def _experts(limit):
+    # Step3p7Experts reads its layer's clamp from ``swiglu_limits[layer_idx]`` (0: none)
     config = Step3p7TextConfig(
-        hidden_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=4
+        hidden_size=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=4,
+        swiglu_limits=[limit or 0],
     )
     torch.manual_seed(0)
-    module = Step3p7Experts(config, swiglu_limit=limit)
+    module = Step3p7Experts(config, layer_idx=0)
     with torch.no_grad():
         module.gate_up_proj.normal_(0, 0.5)
         module.down_proj.normal_(0, 0.5)

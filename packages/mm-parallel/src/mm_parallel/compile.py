@@ -11,7 +11,14 @@ Activation checkpointing is the exception: a compiled module that is also recomp
 *inside* the compiled forward (``torch.utils.checkpoint`` traced by dynamo, as torchtitan does), so the
 compiler plans the recompute and a selective policy sees the ops of the graph. As composable hooks around the
 compiled call, the backward's recompute would run a differently traced graph whose saved tensors do not match
-the forward's.
+the forward's. A checkpoint traced by dynamo refuses Python side effects inside it unless
+``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is on, and a refusal makes dynamo run the
+whole forward eagerly: transformers (from 5.25, through the ``kernels`` package) sets a context variable in
+every attention forward and resets it before returning, so the checkpointed forwards are traced with that
+option (a side effect undone within the forward needs no replay in backward).
+
+A compile that captures nothing is an error, not a silent eager run: the graphs dynamo hands to the backend
+are counted, and a compiled module whose first call ends with none counted raises :class:`CompileError`.
 """
 
 from __future__ import annotations
@@ -50,20 +57,50 @@ def _traced_checkpoint(
     return checkpointed_forward
 
 
-def _reporting(compiled: Callable[..., Any], name: str, module: nn.Module, hint: str) -> Callable[..., Any]:
-    """``compiled``, with dynamo's and inductor's errors raised again as :class:`CompileError`."""
+class _GraphCounter:
+    """A ``torch.compile`` backend that counts the graphs dynamo captures and hands them to ``backend``."""
+
+    def __init__(self, backend: str | Callable[..., Any]) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+        self.graphs += 1
+        return self.backend(graph, example_inputs, **kwargs)
+
+
+def _reporting(
+    compiled: Callable[..., Any],
+    name: str,
+    module: nn.Module,
+    hint: str,
+    counter: _GraphCounter,
+    checkpointed: bool,
+) -> Callable[..., Any]:
+    """``compiled``, with dynamo's and inductor's errors raised again as :class:`CompileError`, and a first
+    call that captured no graph refused."""
     what = f"{name or '(root)'} ({type(module).__name__})"
+    first_call = [True]
+
+    def fail(verb: str, detail: str) -> CompileError:
+        return CompileError(f"torch.compile {verb} on {what}{detail}" + (f"; {hint}" if hint else ""))
 
     def compiled_forward(*args: Any, **kwargs: Any) -> Any:
         try:
-            return compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
+                out = compiled(*args, **kwargs)
         except TorchDynamoException as exc:
             cause = getattr(exc, "inner_exception", None) or exc  # a backend's (inductor's) own error
             first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
-            raise CompileError(
-                f"torch.compile failed on {what}: {type(cause).__name__}: {first}"
-                + (f"; {hint}" if hint else "")
-            ) from exc
+            raise fail("failed", f": {type(cause).__name__}: {first}") from exc
+        if first_call[0]:
+            first_call[0] = False
+            if not counter.graphs:
+                raise fail(
+                    "captured no graph",
+                    " (dynamo ran its whole forward eagerly; TORCH_LOGS=graph_breaks shows why)",
+                )
+        return out
 
     return compiled_forward
 
@@ -83,15 +120,18 @@ def compile_modules(
     checkpoint inside their compiled forward (selective with ``save_ops``; None: full recompute); give them no
     :func:`~mm_parallel.memory.apply_recompute` hooks, and no recomputed module inside a compiled one (its
     hooks would break the graph). Compilation happens at the first call; a failure then raises
-    :class:`CompileError` naming the module, with ``error_hint`` appended. Returns the names of the compiled
-    modules.
+    :class:`CompileError` naming the module, with ``error_hint`` appended, and so does a first call after
+    which no graph of these modules reached the backend (``backend`` in ``compile_kwargs``: a registered name
+    or a callable, default inductor; ``mode`` and ``options`` are not accepted, as with any callable backend).
+    Returns the names of the compiled modules.
     """
+    counter = _GraphCounter(compile_kwargs.pop("backend", "inductor"))
     done = []
     for name, module in modules:
         forward = module.forward
         if name in checkpointed:
             forward = _traced_checkpoint(forward, save_ops, preserve_rng_state)
-        compiled = torch.compile(forward, **compile_kwargs)
-        module.forward = _reporting(compiled, name, module, error_hint)
+        compiled = torch.compile(forward, backend=counter, **compile_kwargs)
+        module.forward = _reporting(compiled, name, module, error_hint, counter, name in checkpointed)
         done.append(name)
     return done
