@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
 from _mm import REPO
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 PACKAGES = {
     "mm-parallel": ("mm_parallel", set()),
@@ -63,3 +66,42 @@ def test_package_builds_alone(dist, tmp_path):
     }
     assert {n for n in names if n.startswith("mm-")} == mm_deps
     assert "torch_npu" not in names  # optional extra only
+
+
+#: libraries whose internals mm uses (subclassed modules, private layouts): a package names the releases its
+#: tests passed with, never an open-ended range
+INTERNALS_USED = {"transformers", "diffusers", "funasr"}
+
+
+def _declared() -> list[tuple[str, Requirement]]:
+    """Every (package folder, requirement) of every package's dependencies and optional extras."""
+    out = []
+    for pyproject in sorted((REPO / "packages").glob("*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+        reqs = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            reqs += extra
+        out += [(pyproject.parent.name, Requirement(r)) for r in reqs]
+    return out
+
+
+def test_libraries_whose_internals_are_used_have_tested_bounds() -> None:
+    for folder, req in _declared():
+        if req.name in INTERNALS_USED:
+            ops = {spec.operator for spec in req.specifier}
+            assert ops == {"=="} or ("<" in ops and ">=" in ops), f"{folder}: {req} is open-ended"
+
+
+def test_constraints_pin_every_third_party_dependency() -> None:
+    """CI installs through constraints.txt: each third-party requirement is pinned there, satisfying it."""
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            pins[canonicalize_name(req.name)] = next(iter(req.specifier)).version
+    for folder, req in _declared():
+        name = canonicalize_name(req.name)
+        if name.startswith("mm-") or name == "torch-npu":
+            continue
+        assert name in pins, f"{folder}: {req.name} is not pinned in constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{folder}: {req} excludes {pins[name]}"
