@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 from _mm import REPO
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

@@ -12,9 +12,9 @@ Activation checkpointing is the exception: a compiled module that is also recomp
 compiler plans the recompute and a selective policy sees the ops of the graph. As composable hooks around the
 compiled call, the backward's recompute would run a differently traced graph whose saved tensors do not match
 the forward's. A checkpoint traced by dynamo refuses Python side effects inside it unless
-``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is on, and a refusal makes dynamo run the
-whole forward eagerly: transformers (from 5.25, through the ``kernels`` package) sets a context variable in
-every attention forward and resets it before returning, so the checkpointed forwards are traced with that
+``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is on, and a refusal makes dynamo run
+the whole forward eagerly: transformers (from 5.25, through the ``kernels`` package) sets a context variable
+in every attention forward and resets it before returning, so the checkpointed forwards are traced with that
 option (a side effect undone within the forward needs no replay in backward).
 
 A compile that captures nothing is an error, not a silent eager run: the graphs dynamo hands to the backend
