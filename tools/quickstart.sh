@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
-VENV="${MM_VENV:-.venv}"
+source tools/_env_name.sh
 rm -rf outputs/quickstart
 "$VENV/bin/mm" train examples/quickstart/config.yaml --nproc-per-node 2 "$@"
 "$VENV/bin/mm" convert dcp-to-hf outputs/quickstart/checkpoints outputs/quickstart/hf
