@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# torchrun launcher; run on every node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE.
+# torchrun launcher; run on every node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# NPROC_PER_NODE (or NPUS_PER_NODE).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -9,6 +10,12 @@ if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
   source /usr/local/Ascend/ascend-toolkit/set_env.sh
 fi
 [[ -d examples/moving_digits_t2v/build ]] || python examples/moving_digits_t2v/build_data.py
-torchrun --nproc_per_node "${NPROC_PER_NODE:-2}" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+# Processes per node: NPROC_PER_NODE, or NPUS_PER_NODE as the MindSpeed-MM scripts name it (both set: equal)
+if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" != "$NPROC_PER_NODE" ]]; then
+  echo "train.sh: NPUS_PER_NODE=$NPUS_PER_NODE and NPROC_PER_NODE=$NPROC_PER_NODE disagree; set one" >&2
+  exit 2
+fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
+torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29517}" \
   -m mm_core.train examples/moving_digits_t2v/config.yaml "$@"

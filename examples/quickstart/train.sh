@@ -12,7 +12,12 @@ if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
   export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
 fi
 
-NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+# Processes per node: NPROC_PER_NODE, or NPUS_PER_NODE as the MindSpeed-MM scripts name it (both set: equal)
+if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" != "$NPROC_PER_NODE" ]]; then
+  echo "train.sh: NPUS_PER_NODE=$NPUS_PER_NODE and NPROC_PER_NODE=$NPROC_PER_NODE disagree; set one" >&2
+  exit 2
+fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"

@@ -15,9 +15,15 @@ fi
 EXAMPLE=examples/speech_cosyvoice
 RUNS=outputs/speech_cosyvoice
 [[ -d $EXAMPLE/build ]] || python $EXAMPLE/build_data.py
+# Processes per node: NPROC_PER_NODE, or NPUS_PER_NODE as the MindSpeed-MM scripts name it (both set: equal)
+if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" != "$NPROC_PER_NODE" ]]; then
+  echo "train.sh: NPUS_PER_NODE=$NPUS_PER_NODE and NPROC_PER_NODE=$NPROC_PER_NODE disagree; set one" >&2
+  exit 2
+fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
 for stage in lm flow vocoder; do
   start=$(date +%s)
-  python -m mm_core.cli train "$EXAMPLE/$stage.yaml" --nproc-per-node "${NPROC_PER_NODE:-2}" "$@"
+  python -m mm_core.cli train "$EXAMPLE/$stage.yaml" --nproc-per-node "$NPROC_PER_NODE" "$@"
   echo "train.sh: $stage trained in $(( $(date +%s) - start )) s"
   rm -rf "$RUNS/$stage/hf"
   python -m mm_core.cli convert dcp-to-hf "$RUNS/$stage/checkpoints" "$RUNS/$stage/hf"
