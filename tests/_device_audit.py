@@ -33,7 +33,14 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-STEP_CODE = ("mm_core.train", "mm_core.parallel", "mm_core.optim", "mm_parallel", "mm_models_")
+STEP_CODE = (
+    "mm_core.train",
+    "mm_core.tasks",
+    "mm_core.parallel",
+    "mm_core.optim",
+    "mm_parallel",
+    "mm_models_",
+)
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 _PLUMBING = ("torch.overrides", "torch.utils._device", __name__)

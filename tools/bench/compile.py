@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         dist.barrier()
         t0 = time.perf_counter()
         for batches in micro:
-            losses[mode].append(trainer.train_step([dict(b) for b in batches])["loss"])
+            losses[mode].append(trainer.train_step([dict(b) for b in batches]).metrics["loss"])
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -59,10 +59,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     timed("eager")  # warm-up both; the compiled one compiles in its first step
     dist.barrier()
     t0 = time.perf_counter()
-    losses["compiled"].append(trainers["compiled"].train_step([dict(b) for b in micro[0]])["loss"])
+    losses["compiled"].append(trainers["compiled"].train_step([dict(b) for b in micro[0]]).metrics["loss"])
     first = time.perf_counter() - t0
     for batches in micro[1:]:
-        losses["compiled"].append(trainers["compiled"].train_step([dict(b) for b in batches])["loss"])
+        losses["compiled"].append(trainers["compiled"].train_step([dict(b) for b in batches]).metrics["loss"])
     times: dict[str, list[float]] = {mode: [] for mode in trainers}
     for _ in range(args.rounds):
         for mode in trainers:

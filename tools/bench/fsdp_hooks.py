@@ -135,7 +135,7 @@ def _worker(
     starts: list[float] = []
     step_fn = trainer.train_step
 
-    def timed_step(*a: Any, **kw: Any) -> dict[str, Any]:
+    def timed_step(*a: Any, **kw: Any) -> Any:
         starts.append(time.perf_counter())
         return step_fn(*a, **kw)
 

@@ -1,6 +1,7 @@
 """The task contract in one process: the parts a task returns are checked, ``training.task`` resolves
-through the ``mm.tasks`` registry (``standard`` is mm-core's own entry point), and :meth:`TaskContext.reduce`
-agrees on a stop request. Multi-process training with a task plugin: tests/test_task_plugin.py."""
+through the ``mm.tasks`` registry (``standard`` is mm-core's own entry point), :meth:`TaskContext.reduce`
+agrees on a stop request and returns it, and a step's result is checked. Multi-process training with a task
+plugin: tests/test_task_plugin.py; the toolkit: test_task_toolkit.py."""
 
 from __future__ import annotations
 
@@ -62,16 +63,33 @@ def test_reduce_sums_over_ranks_and_agrees_on_a_stop_request() -> None:
 
     import torch.distributed as dist
 
-    from mm_core.tasks import TaskContext
+    from mm_core.tasks import Reduced, TaskContext
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         state: Any = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
         ctx = TaskContext(cfg=None, state=state, load_path=None)  # type: ignore[arg-type]
-        assert ctx.reduce({"a": torch.tensor(2.0), "b": torch.tensor([3])}) == {"a": 2.0, "b": 3.0}
-        assert ctx.stop_agreed_this_step and not ctx.stop.agreed
-        ctx.stop.requested = True
-        ctx.reduce({})
-        assert ctx.stop.agreed
+        reduced = ctx.reduce({"a": torch.tensor(2.0), "b": torch.tensor([3])})
+        assert reduced == Reduced({"a": 2.0, "b": 3.0}, stop=False)
+        ctx.stop.requested = True  # what the signal handler does
+        assert ctx.stop_requested
+        assert ctx.reduce({}) == Reduced({}, stop=True)
+        with pytest.raises(ValueError, match="'_stop' is the name of mm's stop request"):
+            ctx.reduce({"_stop": torch.tensor(1.0)})
     finally:
         dist.destroy_process_group()
+
+
+def test_the_trainer_reads_only_what_the_contract_declares() -> None:
+    """A task's step returns a StepResult with a ``loss``; the names mm writes into a record are mm's."""
+    from mm_core.tasks import StepResult
+    from mm_core.tasks.base import check_step_result
+
+    check_step_result(StepResult({"loss": 1.0, "tokens": 8}, stop=False, flops=3.0), "lm_gan")
+    with pytest.raises(ConfigError, match=r"training.task: the train_step of 'lm_gan' returned dict, not a"):
+        check_step_result({"loss": 1.0}, "lm_gan")
+    with pytest.raises(ConfigError, match=r"the metrics of 'lm_gan' \(loss_d\) have no 'loss'"):
+        check_step_result(StepResult({"loss_d": 1.0}), "lm_gan")
+    with pytest.raises(ConfigError, match="use peak_mem_gb, which mm writes itself"):
+        check_step_result(StepResult({"loss": 1.0, "peak_mem_gb": 2.0}), "lm_gan")
+    assert Task.setup_note is None  # declared on the contract, with its default

@@ -58,10 +58,7 @@ from mm_core.data import move_to_device
 from mm_core.errors import ConfigError, DataError
 from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
-from mm_core.parallel.apply import check_initialised
-from mm_core.tasks import MAIN, Task, TaskParts, build_model
-from mm_core.train.nonfinite import NonFiniteGuard
-from mm_parallel.grad import clip_grad_norm_
+from mm_core.tasks import MAIN, StepResult, Task, TaskParts, TaskToolkit, build_model
 
 from . import vocoder_losses as losses
 from .discriminator import DiscriminatorConfig
@@ -137,7 +134,7 @@ class CosyVoiceVocoderTask(Task):
         self.opt_d, self.scale_only_d = built_d.optimizer, built_d.clip_scale_only
         self.sched = build_scheduler(self.opt, tcfg)
         self.sched_d = build_scheduler(self.opt_d, disc_training)
-        self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self.ctx.info)
+        self.toolkit = TaskToolkit(self.ctx, [self.generator, self.disc])
         return TaskParts(
             {MAIN: self.generator, DISCRIMINATOR: self.disc},
             {MAIN: self.opt, DISCRIMINATOR: self.opt_d},
@@ -160,13 +157,10 @@ class CosyVoiceVocoderTask(Task):
 
     # ------------------------------------------------------------------------------------------ hooks
     def after_load(self, path: Path, report: Any) -> None:
-        if self.ctx.cfg.training.init_model_with_meta_device:
-            check_initialised(self.generator)
-            check_initialised(self.disc)
+        self.toolkit.after_load()
 
     def before_save(self, step: int) -> None:
-        self.nonfinite.check_weights(self.generator, step, self.ctx.device)
-        self.nonfinite.check_weights(self.disc, step, self.ctx.device)
+        self.toolkit.before_save(step)
 
     # ------------------------------------------------------------------------------------------- step
     def _prepare(self, batch: dict[str, Any]) -> _MicroBatch:
@@ -199,20 +193,7 @@ class CosyVoiceVocoderTask(Task):
             raise DataError(f"f0: expected [B, T] = {tuple(mel.shape[:2])} (Hz per mel frame), got {shape}")
         return _MicroBatch(audio.float(), mel, [int(s) for s in batch["noise_seed"]], f0)
 
-    def _clip(self, module: torch.nn.Module, scale_only: Any) -> torch.Tensor:
-        params = [p for p in module.parameters() if p.requires_grad]
-        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad, scale_only=scale_only)
-
-    def _update(self, opt: torch.optim.Optimizer, sched: Any, norm: torch.Tensor, step: int) -> None:
-        """Step ``opt`` and ``sched`` unless the (global) gradient norm is not finite."""
-        if self.nonfinite.allows_update(step, 0.0, float(norm)):
-            opt.step()
-            sched.step()
-        opt.zero_grad(set_to_none=True)
-
-    def train_step(
-        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
-    ) -> dict[str, float]:
+    def train_step(self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False) -> StepResult:
         n = len(micro_batches)
         step = self.ctx.progress.step + 1
         batches = [self._prepare(b) for b in micro_batches]
@@ -231,8 +212,8 @@ class CosyVoiceVocoderTask(Task):
             loss_d = loss_d + w["tpr_weight"] * losses.tpr(real_s, fake_s, w["tpr_tau"])
             (loss_d / n).backward()
             loss_disc = loss_disc + loss_d.detach().double() / n
-        norm_d = self._clip(self.disc, self.scale_only_d)
-        self._update(self.opt_d, self.sched_d, norm_d, step)
+        norm_d = float(self.toolkit.clip(self.disc, self.scale_only_d))
+        self.toolkit.update(self.opt_d, self.sched_d, step=step, grad_norm=norm_d)
 
         # (2) the generator, against the updated discriminator
         parts = {k: zero for k in ("loss", "loss_adv", "loss_fm", "loss_mel", "loss_tpr", "loss_f0")}
@@ -264,19 +245,18 @@ class CosyVoiceVocoderTask(Task):
             values["loss"] = total
             for k, v in values.items():
                 parts[k] = parts[k] + v.detach().double() / n
-        norm = self._clip(self.generator, self.scale_only)
-        self._update(self.opt, self.sched, norm, step)
+        norm = float(self.toolkit.clip(self.generator, self.scale_only))
+        self.toolkit.update(self.opt, self.sched, step=step, grad_norm=norm)
         self.opt_d.zero_grad(set_to_none=True)  # the discriminator's gradients of pass (2)
 
         if not self.f0_on:
             del parts["loss_f0"]
         ws = self.ctx.state.sizes.world_size
-        sums = self.ctx.reduce({**parts, "loss_disc": loss_disc})
-        metrics: dict[str, float] = {k: v / ws for k, v in sums.items()}
-        metrics["grad_norm"] = float(norm)
-        metrics["grad_norm_discriminator"] = float(norm_d)
+        reduced = self.ctx.reduce({**parts, "loss_disc": loss_disc})
+        metrics: dict[str, float] = {k: v / ws for k, v in reduced.sums.items()}
+        metrics["grad_norm"] = norm
+        metrics["grad_norm_discriminator"] = norm_d
         metrics["lr"] = lr
         metrics["lr_discriminator"] = lr_d
-        if self.ctx.cfg.training.skip_nonfinite_steps:
-            metrics["skipped_nonfinite_steps"] = self.nonfinite.skipped
-        return metrics
+        metrics.update(self.toolkit.nonfinite_metrics())
+        return StepResult(metrics, stop=reduced.stop)

@@ -15,12 +15,16 @@ A task is a class ``Task(ctx)``; mm calls, in order:
    exports); other models are stored in the checkpoint under their own names.
 2. :meth:`Task.after_load` after a checkpoint was loaded into the parts (resume).
 3. per step, :meth:`Task.train_step` with the step's micro-batches: forward, backward, optimizer steps.
-   It returns the step's metrics, global over ranks (the same on every rank): ``loss`` at least, any other
-   numbers (e.g. ``loss_d``, ``grad_norm_g``); ``tokens`` (the step's input tokens, all ranks) and
-   ``flops`` (its model FLOPs) are turned into throughput. :meth:`TaskContext.reduce` sums tensors over
-   ranks in one collective and also agrees on a stop request; a task that does not call it gets one
-   collective more per step from mm.
+   It returns a :class:`StepResult`: the step's metrics, global over ranks (the same on every rank):
+   ``loss`` at least, any other numbers (e.g. ``loss_d``, ``grad_norm_g``); ``tokens`` (the step's input
+   tokens, all ranks) is turned into throughput, as is :attr:`StepResult.flops` (its model FLOPs).
+   :meth:`TaskContext.reduce` sums tensors over ranks in one collective and agrees on a stop request in
+   it; the task passes that agreement on in :attr:`StepResult.stop` (a task that does not get one there
+   gets one collective more per step from mm).
 4. :meth:`Task.before_save` before each checkpoint, :meth:`Task.after_step` after each step.
+
+The plumbing every task needs around its optimizer steps (gradient clipping, the non-finite policy, the
+checks after a load and before a save) is :class:`mm_core.tasks.toolkit.TaskToolkit`.
 
 Models a task builds with :func:`mm_core.tasks.build_model` get the parallel layout of the YAML's
 ``parallel:`` block and their model's plan, so a task works unchanged on 1, 2 or 1,024 ranks.
@@ -37,13 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mm_core.checkpoint import TrainProgress
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
 from mm_core.parallel.state import ParallelState
+from mm_core.tasks.stats import read_on_host, sum_over_ranks
 from mm_core.train.signals import StopRequest
 
 log = logging.getLogger("mm")
@@ -90,6 +94,58 @@ class TaskParts:
             raise ConfigError(f"{where}: scheduler {stray[0]!r} has no optimizer")
 
 
+#: the name under which :meth:`TaskContext.reduce` sends the stop request (not a metric name)
+STOP = "_stop"
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What :meth:`TaskContext.reduce` returns: the sums by name, and whether any rank was asked to stop
+    (agreed in the same collective: the same on every rank)."""
+
+    sums: dict[str, float]
+    stop: bool
+
+
+@dataclass
+class StepResult:
+    """What :meth:`Task.train_step` returns for one step; every value is global (the same on every rank)."""
+
+    #: logged as given: ``loss`` at least, any other number (``loss_critic``, ``grad_norm_critic``,
+    #: ``lr_critic``...); ``tokens`` (the step's input tokens, all ranks) also gives ``tokens_per_s``
+    metrics: dict[str, float]
+    #: whether any rank was asked to stop (SIGTERM/SIGINT), as agreed in the step's own collective
+    #: (:attr:`Reduced.stop`); None: the step made no such agreement, mm makes one after it
+    stop: bool | None = None
+    #: the step's model FLOPs, every rank together; gives ``tflops_per_s`` (and ``mfu``); None: not counted
+    flops: float | None = None
+    #: with ``log_memory``: the peak memory (GB) of the fullest rank; None: mm measures it
+    peak_mem_gb: float | None = None
+
+
+#: the names mm writes into a step's record itself; a task's metrics may not use them
+RECORD_KEYS = ("step", "tokens_per_s", "step_time_s", "peak_mem_gb", "tflops_per_s", "mfu", "skipped_samples")
+
+
+def check_step_result(result: object, task: str) -> None:
+    """What the ``training.task`` named ``task`` returned from a step is a :class:`StepResult` with a
+    ``loss`` and none of mm's own record names."""
+    if not isinstance(result, StepResult):
+        raise ConfigError(
+            f"training.task: the train_step of {task!r} returned {type(result).__name__}, not a "
+            "mm_core.tasks.StepResult (the step's metrics, its stop agreement and FLOPs)"
+        )
+    names = ", ".join(result.metrics)
+    if "loss" not in result.metrics:
+        raise ConfigError(f"training.task: the metrics of {task!r} ({names}) have no 'loss'")
+    taken = sorted(set(result.metrics) & set(RECORD_KEYS))
+    if taken:
+        raise ConfigError(
+            f"training.task: the metrics of {task!r} ({names}) use {', '.join(taken)}, which mm writes "
+            "itself; return the peak memory as StepResult.peak_mem_gb, or rename the metric"
+        )
+
+
 @dataclass
 class TaskContext:
     """What mm hands a task: the config, the process groups, where the run resumes from, and the stop
@@ -102,9 +158,8 @@ class TaskContext:
     load_path: Path | None
     #: the steps done so far (``progress.step``: the last finished step; restored on resume)
     progress: TrainProgress = field(default_factory=TrainProgress)
+    #: set by mm's signal handler; a task reads it through :attr:`stop_requested`
     stop: StopRequest = field(default_factory=StopRequest)
-    #: set when this step's stop request was agreed on (by :meth:`reduce` or :meth:`agree_stop`)
-    stop_agreed_this_step: bool = False
 
     @property
     def param(self) -> dict[str, Any]:
@@ -115,32 +170,36 @@ class TaskContext:
     def device(self) -> torch.device:
         return self.state.device
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this process was asked to stop; a task that sums it over ranks in its own collective
+        (as ``standard`` does) returns the agreement in :attr:`StepResult.stop`."""
+        return self.stop.requested
+
     def info(self, msg: str) -> None:
         """A notice printed once (by the main rank)."""
         if self.state.is_main:
             log.warning(msg)
 
-    def reduce(self, values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def reduce(self, values: Mapping[str, torch.Tensor]) -> Reduced:
         """Sum 0-dim tensors over every rank in one all-reduce, with the stop request (one host sync);
-        returns them as floats. Divide by :attr:`ParallelState.sizes` ``.world_size`` for a mean."""
-        names = list(values)
-        flat = [values[k].detach().to(self.device, torch.float64).reshape(()) for k in names]
-        flat.append(torch.tensor(float(self.stop.requested), dtype=torch.float64, device=self.device))
-        stacked = torch.stack(flat)
-        dist.all_reduce(stacked)
-        out = stacked.tolist()
-        self.agree_stop(out[-1] > 0)
-        return dict(zip(names, out[:-1]))
-
-    def agree_stop(self, any_rank_requested: bool) -> None:
-        """Record the outcome of a collective that summed :attr:`StopRequest.requested` over ranks (for a
-        task that folds the request into its own collective, as ``standard`` does)."""
-        self.stop.agreed = self.stop.agreed or any_rank_requested
-        self.stop_agreed_this_step = True
+        returns the sums as floats and the agreed stop. Divide by :attr:`ParallelState.sizes`
+        ``.world_size`` for a mean."""
+        if STOP in values:
+            raise ValueError(f"TaskContext.reduce: {STOP!r} is the name of mm's stop request, not a value")
+        flat = {k: v.detach().to(self.device, torch.float64).reshape(()) for k, v in values.items()}
+        flat[STOP] = torch.full((), float(self.stop_requested), dtype=torch.float64, device=self.device)
+        out = read_on_host(sum_over_ranks(flat))
+        stop = out.pop(STOP) > 0
+        return Reduced(out, stop)
 
 
 class Task(ABC):
     """A training task (module docstring). Subclasses implement :meth:`build` and :meth:`train_step`."""
+
+    #: a line mm prints once the run is set up (after a resume), e.g. where the standard task's chunked
+    #: loss goes; None: nothing
+    setup_note: str | None = None
 
     def __init__(self, ctx: TaskContext) -> None:
         self.ctx = ctx
@@ -150,11 +209,10 @@ class Task(ABC):
         """Build the models (sharded, see :func:`mm_core.tasks.build_model`), optimizers and schedulers."""
 
     @abstractmethod
-    def train_step(
-        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
-    ) -> dict[str, float]:
-        """One optimizer step over the micro-batches; the step's global metrics (``loss`` at least; with
-        ``log_memory``, ``peak_mem_gb`` may be given, else mm measures it)."""
+    def train_step(self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False) -> StepResult:
+        """One optimizer step over the micro-batches: its global metrics (``loss`` at least), the stop
+        agreement of its collective and, with ``log_memory``, optionally the peak memory (else mm measures
+        it); see :class:`StepResult`."""
 
     def after_load(self, path: Path, report: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Called after the checkpoint at ``path`` was loaded into the parts (``report``: what

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,18 +25,27 @@ from mm_core.errors import ConfigError, DataError
 from mm_core.models.output import output_field
 from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
-from mm_core.parallel.apply import check_initialised, to_dtype
+from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
 from mm_core.parallel.memory import chunked_loss_plan
-from mm_core.tasks.base import MAIN, Task, TaskParts
+from mm_core.tasks.base import MAIN, StepResult, Task, TaskParts
 from mm_core.tasks.building import build_model
+from mm_core.tasks.stats import read_on_host, sum_over_ranks
+from mm_core.tasks.toolkit import TaskToolkit
 from mm_core.train.flops import StepFlops
 from mm_core.train.loss import count_units, loss_sum, loss_weights, shift_labels
 from mm_core.train.metrics import peak_memory_gb
-from mm_core.train.nonfinite import NonFiniteGuard
-from mm_parallel.grad import clip_grad_norm_
 from mm_parallel.memory.chunked_loss import ChunkedLossHead
+
+
+class _Prepared(NamedTuple):
+    """One micro-batch on the device (see :meth:`StandardTask._prepare`)."""
+
+    batch: dict[str, Any]  # the model inputs
+    targets: torch.Tensor | None  # the loss targets (None for loss_type: raw)
+    units: torch.Tensor  # this rank's loss units, 0-dim on the device
+    tokens: torch.Tensor  # this rank's input tokens, 0-dim on the device
 
 
 class StandardTask(Task):
@@ -55,11 +64,14 @@ class StandardTask(Task):
         self._model_name = type(self.model).__name__
         self._labels_withheld_ok = False
         self._plan_shown = False
-        head_path, self.chunked_note = chunked_loss_plan(self.model, cfg)
+        head_path, chunked_note = chunked_loss_plan(self.model, cfg)
+        loss_cfg = cfg.model.loss_cfg
+        if loss_cfg.chunked_loss and loss_cfg.loss_type != "raw":
+            self.setup_note = chunked_note
         head = self.model.get_submodule(head_path) if head_path else None
         self.chunked_head = head if isinstance(head, ChunkedLossHead) else None
         self._zero = torch.zeros((), dtype=torch.float64, device=state.device)
-        self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, self.ctx.info)
+        self.toolkit = TaskToolkit(self.ctx, [self.model])
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         self.context = ContextParallel.build(self.model, cfg, state)  # None without context parallel
         self.flops = StepFlops.of(self.model)
@@ -74,11 +86,10 @@ class StandardTask(Task):
 
     # ------------------------------------------------------------------------------------ the hooks
     def after_load(self, path: Path, report: Any) -> None:
-        if self.ctx.cfg.training.init_model_with_meta_device:
-            check_initialised(self.model)
+        self.toolkit.after_load()
 
     def before_save(self, step: int) -> None:
-        self.nonfinite.check_weights(self.model, step, self.ctx.device)
+        self.toolkit.before_save(step)
 
     def after_step(self, step: int) -> None:
         """The gathering plan (hook groups, prefetch) is shown once, after the forward that recorded it;
@@ -94,9 +105,7 @@ class StandardTask(Task):
             plan.pregather()
 
     # ------------------------------------------------------------------------------------------ step
-    def _prepare(
-        self, batch: dict[str, Any]
-    ) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def _prepare(self, batch: dict[str, Any]) -> _Prepared:
         """Move one micro-batch to the device and take out the loss targets (labels shifted by one).
 
         Returns the model inputs, the targets (None for ``loss_type: raw``), this rank's number of loss units
@@ -105,7 +114,7 @@ class StandardTask(Task):
         loss_type = self.ctx.cfg.model.loss_cfg.loss_type
         batch = move_to_device(batch, self.ctx.device, self.float_dtype)
         if loss_type == "raw":  # (context parallel: only a model that splits itself, see ModelPlan)
-            return batch, None, self._zero, self._count_tokens(batch)
+            return _Prepared(batch, None, self._zero, self._count_tokens(batch))
         if "labels" not in batch:
             raise DataError(
                 f"the batch has no 'labels' (fields: {', '.join(batch)}); model.loss_cfg.loss_type "
@@ -118,7 +127,7 @@ class StandardTask(Task):
             tokens = self.context.local_tokens(batch).to(self._zero)
         else:
             tokens = self._count_tokens(batch)
-        return batch, targets, count_units(targets, loss_type).to(torch.float64), tokens
+        return _Prepared(batch, targets, count_units(targets, loss_type).to(torch.float64), tokens)
 
     def _count_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         """Input tokens of a micro-batch (the model plan's count, else attention-mask ones, else every
@@ -232,15 +241,7 @@ class StandardTask(Task):
         elif self.ctx.state.sizes.dp_replicate > 1:
             model.set_requires_all_reduce(last)
 
-    def _clip_grads(self) -> torch.Tensor:
-        """Clip gradients by the global norm (the optimizer's clipping policy); returns the norm, on the
-        device."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad, scale_only=self.clip_scale_only)
-
-    def train_step(
-        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
-    ) -> dict[str, float]:
+    def train_step(self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False) -> StepResult:
         """Forward/backward over the micro-batches, clip, step. Returns the step's global metrics.
 
         Every count stays on the device; the step makes one host sync, after clipping, that reads the loss,
@@ -252,14 +253,17 @@ class StandardTask(Task):
         ws = self.ctx.state.sizes.world_size
         prepared = [self._prepare(b) for b in micro_batches]
         # one collective for the normalisers: global loss units and input tokens
-        counts = torch.stack(
-            [torch.stack([p[2] for p in prepared]).sum(), torch.stack([p[3] for p in prepared]).sum()]
+        counts = sum_over_ranks(
+            {
+                "units": torch.stack([p.units for p in prepared]).sum(),
+                "tokens": torch.stack([p.tokens for p in prepared]).sum(),
+            }
         )
-        dist.all_reduce(counts)
-        global_units = counts[0]
         # FSDP averages gradients over every rank it reduces across; undo that so the gradient is the one of
         # (sum of losses / global units), the same for every layout
-        scale = torch.full_like(self._zero, 1.0 / len(prepared)) if raw else ws / global_units.clamp(min=1.0)
+        scale = (
+            torch.full_like(self._zero, 1.0 / len(prepared)) if raw else ws / counts["units"].clamp(min=1.0)
+        )
         self._aux_values: list[torch.Tensor] = []
         self._aux_scale = float(ws) / len(prepared)
         self._flops = self._zero
@@ -268,50 +272,53 @@ class StandardTask(Task):
             name: torch.zeros(2, dtype=torch.float64, device=self._zero.device) for name in self.loss_parts
         }
 
-        # the step's loss sum and, beside it, whether any rank was asked to stop (SIGTERM/SIGINT) and the
-        # model FLOPs of every rank
-        loss_acc = torch.zeros(3, dtype=torch.float64, device=self._zero.device)
-        for i, (batch, targets, _, tokens) in enumerate(prepared):
+        loss_sum_ = self._zero
+        for i, p in enumerate(prepared):
             self._defer_gradient_reduction(last=i == len(prepared) - 1)
-            loss, contrib = self._forward_loss(batch, targets, scale, tokens)
+            loss, contrib = self._forward_loss(p.batch, p.targets, scale, p.tokens)
             loss.backward()
-            loss_acc[0] += contrib.double()
-        loss_acc[1] = float(self.ctx.stop.requested)
-        loss_acc[2] = self._flops
-        if self._parts:  # the loss parts travel in the same collective
-            loss_acc = torch.cat([loss_acc, *self._parts.values()])
-        dist.all_reduce(loss_acc)
-        grad_norm = self._clip_grads()
-        stats = [loss_acc[0], grad_norm.to(loss_acc.device, torch.float64), counts[0], counts[1]]
-        stats += [loss_acc[1], loss_acc[2]]
+            loss_sum_ = loss_sum_ + contrib.double()
+        # one collective for the step's loss sum, whether any rank was asked to stop (SIGTERM/SIGINT), the
+        # model FLOPs of every rank and the loss parts
+        stop = torch.full_like(self._zero, float(self.ctx.stop_requested))
+        summed = sum_over_ranks(
+            {"loss_sum": loss_sum_, "stop": stop, "flops": self._flops}
+            | {f"part:{name}": part for name, part in self._parts.items()}
+        )
+        grad_norm = self.toolkit.clip(self.model, self.clip_scale_only)
         aux = self._aux_values
-        stats.append(torch.stack(aux).sum() / len(aux) if aux else self._zero)
+        stats = {
+            "loss_sum": summed["loss_sum"],
+            "grad_norm": grad_norm.to(self._zero.device, torch.float64),
+            "units": counts["units"],
+            "tokens": counts["tokens"],
+            "stop": summed["stop"],
+            "flops": summed["flops"],
+            "aux_loss": torch.stack(aux).sum() / len(aux) if aux else self._zero,
+        }
         if log_memory:
             peak = torch.full_like(self._zero, peak_memory_gb(self.ctx.device))
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            stats.append(peak)
-        stats += list(loss_acc[3:])  # the loss parts: (sum, count) each
-        values = torch.stack(stats).tolist()  # the step's one host sync
-        loss_sum_, gnorm, units, tokens, stop, flops, aux_value = values[:7]
-        step_loss = loss_sum_ / (ws if raw else max(units, 1.0))
-        self.ctx.agree_stop(stop > 0)
+            stats["peak_mem_gb"] = peak
+        for name in self._parts:  # (sum, count) of each loss part
+            stats[f"part:{name}:sum"], stats[f"part:{name}:count"] = summed[f"part:{name}"]
+        values = read_on_host(stats)  # the step's one host sync
+        step_loss = values["loss_sum"] / (ws if raw else max(values["units"], 1.0))
+        gnorm = values["grad_norm"]
         lr = self.optimizer.param_groups[0]["lr"]
-        metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(tokens)}
-        if self._aux_values:  # mixture-of-experts: the mean over micro-batches of the global router loss
-            metrics["aux_loss"] = aux_value
-        metrics["flops"] = flops  # of the whole step, every rank (popped for tflops_per_s and mfu)
-        parts = values[len(values) - 2 * len(self._parts) :]
-        for i, name in enumerate(self._parts):
-            total, count = parts[2 * i], parts[2 * i + 1]
+        metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(values["tokens"])}
+        if aux:  # mixture-of-experts: the mean over micro-batches of the global router loss
+            metrics["aux_loss"] = values["aux_loss"]
+        for name in self._parts:
+            count = values[f"part:{name}:count"]
             if count:
-                metrics[name] = total / count
-        if log_memory:
-            metrics["peak_mem_gb"] = values[7]
+                metrics[name] = values[f"part:{name}:sum"] / count
         step = self.ctx.progress.step + 1
-        if self.nonfinite.allows_update(step, step_loss, gnorm):
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ctx.cfg.training.skip_nonfinite_steps:
-            metrics["skipped_nonfinite_steps"] = self.nonfinite.skipped
-        return metrics
+        self.toolkit.update(self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss)
+        metrics.update(self.toolkit.nonfinite_metrics())
+        return StepResult(
+            metrics,
+            stop=values["stop"] > 0,
+            flops=values["flops"],  # of the whole step, every rank
+            peak_mem_gb=values["peak_mem_gb"] if log_memory else None,
+        )

@@ -21,11 +21,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:
-    """Whether this process was asked to stop (``requested``) and whether every rank agreed (``agreed``)."""
+    """Whether this process was asked to stop (``requested``, set by the signal handler). Ranks agree on it
+    in a step's collective (:meth:`mm_core.tasks.TaskContext.reduce`); the step's result carries the
+    agreement (:attr:`mm_core.tasks.StepResult.stop`)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self.agreed = False
         self.signal_name = "a signal"
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:

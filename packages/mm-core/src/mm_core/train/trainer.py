@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,15 @@ from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.state import ParallelState, init_parallel_state
 from mm_core.registry import import_plugins
-from mm_core.tasks.base import MAIN, Task, TaskContext, TaskParts, task_class
+from mm_core.tasks.base import (
+    MAIN,
+    StepResult,
+    Task,
+    TaskContext,
+    TaskParts,
+    check_step_result,
+    task_class,
+)
 from mm_core.tools import StepTools
 from mm_core.train.flops import peak_tflops
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
@@ -138,9 +147,8 @@ class Trainer:
             else None
         )
         self._resume()
-        note = getattr(self.task, "chunked_note", None)
-        if note and cfg.model.loss_cfg.chunked_loss and cfg.model.loss_cfg.loss_type != "raw":
-            self._info(note)  # once set up: a run that fails to start prints only its error
+        if self.task.setup_note:
+            self._info(self.task.setup_note)  # once set up: a run that fails to start prints only its error
         return self
 
     @property
@@ -208,21 +216,19 @@ class Trainer:
             out.append(batch)
         return out
 
-    def train_step(
-        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
-    ) -> dict[str, float]:
-        """One step of the task (:meth:`mm_core.tasks.Task.train_step`); the stop request is agreed on by
-        every rank (in the task's own collective, or here) and, with ``log_memory``, the step reports the
+    def train_step(self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False) -> StepResult:
+        """One step of the task (:meth:`mm_core.tasks.Task.train_step`). The result always carries the stop
+        agreement of every rank (from the task's own collective, or made here) and, with ``log_memory``, the
         peak memory of the fullest rank."""
-        self.ctx.stop_agreed_this_step = False
-        metrics = self.task.train_step(micro_batches, log_memory=log_memory)
-        if not self.ctx.stop_agreed_this_step:
-            self.ctx.reduce({})
-        if log_memory and "peak_mem_gb" not in metrics:
-            peak = torch.full_like(self._zero, peak_memory_gb(self.state.device))
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            metrics["peak_mem_gb"] = float(peak)
-        return metrics
+        result = self.task.train_step(micro_batches, log_memory=log_memory)
+        check_step_result(result, self.cfg.training.task)
+        stop = result.stop if result.stop is not None else self.ctx.reduce({}).stop
+        peak = result.peak_mem_gb
+        if log_memory and peak is None:
+            peak_t = torch.full_like(self._zero, peak_memory_gb(self.state.device))
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            peak = float(peak_t)
+        return replace(result, stop=stop, peak_mem_gb=peak)
 
     def _sum_skipped(self) -> None:
         """Add the records every rank skipped since the last call to :attr:`skipped_samples` (a collective:
@@ -274,22 +280,21 @@ class Trainer:
                     # no device synchronize: the step's own host sync waits for the previous step's update,
                     # so in a steady state this is the time per step
                     t0 = time.perf_counter()
-                    metrics = self.train_step(self._next_micro_batches(), log_memory=logged)
+                    result = self.train_step(self._next_micro_batches(), log_memory=logged)
+                    metrics = result.metrics
                     dt = time.perf_counter() - t0
                     tools.step_end(step)
                     self.progress.step = step
                     self.progress.consumed_samples += self.batches.take_samples_consumed()
                     tokens = int(metrics.get("tokens", 0))
                     self.progress.consumed_tokens += tokens
-                    flops = metrics.pop("flops", None)
                     if logged:
-                        peak = metrics.pop("peak_mem_gb")
-                        record = {"step": step, **metrics}
+                        record: dict[str, Any] = {"step": step, **metrics}
                         if "tokens" in metrics:
                             record["tokens_per_s"] = tokens / dt
-                        record.update(step_time_s=dt, peak_mem_gb=peak)
-                        if flops is not None:
-                            record.update(self._throughput(flops, dt))
+                        record.update(step_time_s=dt, peak_mem_gb=result.peak_mem_gb)
+                        if result.flops is not None:
+                            record.update(self._throughput(result.flops, dt))
                         if cfg.data.dataset_param.on_error == "skip":
                             self._sum_skipped()
                             record["skipped_samples"] = self.skipped_samples
@@ -298,7 +303,7 @@ class Trainer:
                     logger.advance()
                     if self.saver is not None:
                         self.saver.poll()
-                    if self.stop.agreed:
+                    if result.stop:
                         self._stop_on_signal(step)
                     if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
                         self.save()

@@ -9,10 +9,15 @@ sizes every layout trains the same models.
 
 ``training.task_param``: ``critic`` (the critic's ``config_overrides``), ``critic_lr`` (its learning rate;
 the model uses ``training.lr``), ``adversarial_weight``.
+
+Clipping, the non-finite policy and the checks after a load and before a save are mm's
+(:class:`mm_core.tasks.TaskToolkit`); the step returns its metrics and the stop agreement of its one
+collective (:meth:`TaskContext.reduce`) as a :class:`mm_core.tasks.StepResult`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +28,7 @@ from mm_core.data import move_to_device
 from mm_core.errors import ConfigError
 from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
-from mm_core.tasks import MAIN, Task, TaskParts, build_model
-from mm_parallel.grad import clip_grad_norm_
+from mm_core.tasks import MAIN, StepResult, Task, TaskParts, TaskToolkit, build_model
 
 CRITIC = "critic"
 KEYS = ("critic", "critic_lr", "adversarial_weight")
@@ -50,20 +54,22 @@ class LMGanTask(Task):
         self.opt_critic = build_optimizer(self.critic, critic_training, plan_of(self.critic)).optimizer
         self.sched = build_scheduler(self.opt, tcfg)
         self.sched_critic = build_scheduler(self.opt_critic, critic_training)
+        self.toolkit = TaskToolkit(self.ctx, [self.model, self.critic])
         return TaskParts(
             {MAIN: self.model, CRITIC: self.critic},
             {MAIN: self.opt, CRITIC: self.opt_critic},
             {MAIN: self.sched, CRITIC: self.sched_critic},
         )
 
-    def _clip(self, module: torch.nn.Module) -> torch.Tensor:
-        params = [p for p in module.parameters() if p.requires_grad]
-        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad)
+    def after_load(self, path: Path, report: Any) -> None:
+        self.toolkit.after_load()
 
-    def train_step(
-        self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False
-    ) -> dict[str, float]:
+    def before_save(self, step: int) -> None:
+        self.toolkit.before_save(step)
+
+    def train_step(self, micro_batches: list[dict[str, Any]], *, log_memory: bool = False) -> StepResult:
         n = len(micro_batches)
+        step = self.ctx.progress.step + 1
         batches = [move_to_device(b, self.ctx.device, None) for b in micro_batches]
         vocab = self.model.head.out_features
         # (1) the critic, on the model's current predictions
@@ -76,10 +82,8 @@ class LMGanTask(Task):
             loss_d = ((scores_real - 1) ** 2).mean() + (scores_fake**2).mean()
             (loss_d / n).backward()
             critic_loss = critic_loss + loss_d.detach() / n
-        critic_norm = self._clip(self.critic)
-        self.opt_critic.step()
-        self.sched_critic.step()
-        self.opt_critic.zero_grad(set_to_none=True)
+        critic_norm = float(self.toolkit.clip(self.critic))
+        self.toolkit.update(self.opt_critic, self.sched_critic, step=step, grad_norm=critic_norm)
         # (2) the model: cross-entropy plus the adversarial term
         ce_total = torch.zeros((), device=self.ctx.device)
         adv_total = torch.zeros((), device=self.ctx.device)
@@ -90,16 +94,14 @@ class LMGanTask(Task):
             adv = ((self.critic(logits.softmax(-1)) - 1) ** 2).mean()
             ((ce + self.weight * adv) / n).backward()
             ce_total, adv_total = ce_total + ce.detach() / n, adv_total + adv.detach() / n
-        model_norm = self._clip(self.model)
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
+        model_norm = float(self.toolkit.clip(self.model))
+        self.toolkit.update(self.opt, self.sched, step=step, grad_norm=model_norm)
         self.opt_critic.zero_grad(set_to_none=True)  # the critic's gradients of pass (2)
         ws = self.ctx.state.sizes.world_size
-        sums = self.ctx.reduce({"loss": ce_total, "loss_adv": adv_total, "loss_critic": critic_loss})
-        metrics = {k: v / ws for k, v in sums.items()}
-        metrics["grad_norm"] = float(model_norm)
-        metrics["grad_norm_critic"] = float(critic_norm)
+        reduced = self.ctx.reduce({"loss": ce_total, "loss_adv": adv_total, "loss_critic": critic_loss})
+        metrics = {k: v / ws for k, v in reduced.sums.items()}
+        metrics["grad_norm"] = model_norm
+        metrics["grad_norm_critic"] = critic_norm
         metrics["lr"] = self.opt.param_groups[0]["lr"]
         metrics["lr_critic"] = self.opt_critic.param_groups[0]["lr"]
-        return metrics
+        return StepResult(metrics, stop=reduced.stop)

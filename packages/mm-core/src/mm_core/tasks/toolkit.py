@@ -1,0 +1,80 @@
+"""The plumbing every task shares around its optimizer steps, in one place.
+
+:class:`TaskToolkit` is built by a task once its models exist and called from its step and hooks:
+
+- :meth:`~TaskToolkit.clip`: clip a model's gradients by their global norm over the sharded parameters
+  (``training.clip_grad``, with the optimizer's clipping policy);
+- :meth:`~TaskToolkit.update`: step an optimizer and its lr schedule unless the step's loss or gradient
+  norm is not finite (``training.skip_nonfinite_steps``, else the run stops; see
+  :mod:`mm_core.train.nonfinite`), then drop the gradients;
+- :meth:`~TaskToolkit.after_load`: after a resume, check that a meta-built model got every weight;
+- :meth:`~TaskToolkit.before_save`: refuse to checkpoint non-finite weights;
+- :meth:`~TaskToolkit.nonfinite_metrics`: the ``skipped_nonfinite_steps`` count for the step's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mm_core.optim.factory import ParamFilter
+from mm_core.parallel.apply import check_initialised
+from mm_core.tasks.base import TaskContext
+from mm_core.train.nonfinite import NonFiniteGuard
+from mm_parallel.grad import clip_grad_norm_
+
+
+class TaskToolkit:
+    """Clipping, the non-finite policy and the load / save checks of a task's trained ``models``."""
+
+    def __init__(self, ctx: TaskContext, models: Iterable[nn.Module]) -> None:
+        tcfg = ctx.cfg.training
+        self.ctx = ctx
+        self.models = list(models)
+        self.nonfinite = NonFiniteGuard(tcfg.skip_nonfinite_steps, tcfg.save, ctx.info)
+
+    def clip(self, model: nn.Module, scale_only: ParamFilter | None = None) -> torch.Tensor:
+        """Clip the gradients of ``model``'s trainable parameters to ``training.clip_grad`` (their global
+        norm; ``scale_only``: the optimizer's clipping policy, ``BuiltOptimizer.clip_scale_only``); returns
+        the norm before clipping, on the device (no host sync)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return clip_grad_norm_(params, self.ctx.cfg.training.clip_grad, scale_only=scale_only)
+
+    def update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        step: int,
+        grad_norm: float,
+        loss: float = 0.0,
+    ) -> bool:
+        """Step ``optimizer`` and ``scheduler`` unless ``loss`` or ``grad_norm`` (host values of step
+        ``step``) is not finite, then zero the gradients; returns whether the update was applied."""
+        applied = self.nonfinite.allows_update(step, loss, grad_norm)
+        if applied:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return applied
+
+    def after_load(self) -> None:
+        """With ``training.init_model_with_meta_device``: every weight of every model was filled."""
+        if self.ctx.cfg.training.init_model_with_meta_device:
+            for model in self.models:
+                check_initialised(model)
+
+    def before_save(self, step: int) -> None:
+        """Raise before a checkpoint of non-finite weights of any model is written."""
+        for model in self.models:
+            self.nonfinite.check_weights(model, step, self.ctx.device)
+
+    def nonfinite_metrics(self) -> dict[str, float]:
+        """``skipped_nonfinite_steps`` (steps skipped in this process) when ``training.skip_nonfinite_steps``
+        is set; else nothing."""
+        if not self.ctx.cfg.training.skip_nonfinite_steps:
+            return {}
+        return {"skipped_nonfinite_steps": self.nonfinite.skipped}

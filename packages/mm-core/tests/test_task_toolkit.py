@@ -1,0 +1,112 @@
+"""The plumbing every task shares (:mod:`mm_core.tasks.toolkit`) and named step statistics
+(:mod:`mm_core.tasks.stats`), in one process on a real 1-rank gloo group (collectives run; nothing is
+faked)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import base_config
+from mm_core.config import validate_config
+from mm_core.errors import ConfigError, NonFiniteError
+from mm_core.tasks import TaskContext, TaskToolkit
+from mm_core.tasks.stats import read_on_host, sum_over_ranks
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _ctx(tmp_path: Path, **training: Any) -> TaskContext:
+    raw = base_config(tmp_path / "model", tmp_path / "out")
+    raw["training"].update(training)
+    state: Any = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    return TaskContext(cfg=validate_config(raw), state=state, load_path=None)
+
+
+def _model_with_grads(scale: float = 1.0) -> nn.Linear:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    model(torch.randn(5, 4)).sum().mul(scale).backward()
+    return model
+
+
+def test_sum_over_ranks_keeps_names_and_shapes_in_one_buffer(group: None) -> None:
+    values = {
+        "loss_sum": torch.tensor(1.5, dtype=torch.float64),
+        "part:a": torch.tensor([2.0, 1.0], dtype=torch.float64),
+        "flops": torch.tensor(7.0, dtype=torch.float64),
+    }
+    summed = sum_over_ranks(values)
+    assert list(summed) == list(values)
+    assert summed["part:a"].shape == (2,) and summed["loss_sum"].shape == ()
+    # one buffer: every value is a view of the same reduced storage, in the mapping's order
+    assert len({t.untyped_storage().data_ptr() for t in summed.values()}) == 1
+    a_sum, a_count = summed["part:a"]
+    assert read_on_host({"loss": summed["loss_sum"], "a": a_sum, "n": a_count, "flops": summed["flops"]}) == {
+        "loss": 1.5,
+        "a": 2.0,
+        "n": 1.0,
+        "flops": 7.0,
+    }
+    assert read_on_host({}) == {}
+    with pytest.raises(ValueError, match="no values"):
+        sum_over_ranks({})
+
+
+def test_clip_is_the_global_norm_of_the_trainable_parameters(tmp_path: Path, group: None) -> None:
+    toolkit = TaskToolkit(_ctx(tmp_path, clip_grad=0.5), [])
+    model, reference = _model_with_grads(), _model_with_grads()
+    model.bias.requires_grad_(False)  # a frozen parameter is neither counted nor clipped
+    reference.bias.grad = None
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    norm = toolkit.clip(model)
+    torch.testing.assert_close(norm, expected)
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad)
+
+
+def test_update_steps_or_skips_a_non_finite_step_within_the_budget(tmp_path: Path, group: None) -> None:
+    toolkit = TaskToolkit(_ctx(tmp_path, skip_nonfinite_steps=1), [])
+    model = _model_with_grads()
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    assert not toolkit.update(opt, sched, step=1, grad_norm=float("nan"), loss=1.0)
+    assert torch.equal(model.weight, before) and model.weight.grad is None and sched.last_epoch == 0
+    assert toolkit.nonfinite_metrics() == {"skipped_nonfinite_steps": 1}
+    model(torch.randn(2, 4)).sum().backward()
+    assert toolkit.update(opt, sched, step=2, grad_norm=1.0, loss=1.0)
+    assert not torch.equal(model.weight, before) and model.weight.grad is None and sched.last_epoch == 1
+    with pytest.raises(NonFiniteError, match="training stopped at step 3: the loss is inf"):
+        toolkit.update(opt, sched, step=3, grad_norm=1.0, loss=float("inf"))
+
+
+def test_no_skipped_count_without_skip_nonfinite_steps(tmp_path: Path, group: None) -> None:
+    toolkit = TaskToolkit(_ctx(tmp_path), [])
+    assert toolkit.nonfinite_metrics() == {}
+
+
+def test_load_and_save_checks_cover_every_model(tmp_path: Path, group: None) -> None:
+    good, bad = nn.Linear(2, 2), nn.Linear(2, 2)
+    with torch.no_grad():
+        bad.weight[0, 0] = float("nan")
+    toolkit = TaskToolkit(_ctx(tmp_path, init_model_with_meta_device=True), [good, bad])
+    with pytest.raises(NonFiniteError, match=r"the weights are not finite \(weight\)"):
+        toolkit.before_save(4)
+    with pytest.raises(ConfigError, match="1 tensors were left uninitialised after building on meta: weight"):
+        toolkit.after_load()
+    TaskToolkit(_ctx(tmp_path), [good, bad]).after_load()  # without meta init there is nothing to check
+    TaskToolkit(_ctx(tmp_path), [good]).before_save(4)
