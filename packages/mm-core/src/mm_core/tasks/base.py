@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mm_core.checkpoint import TrainProgress
-from mm_core.config.schema import MMConfig
+from mm_core.config.schema import MMConfig, ModelConfig
 from mm_core.errors import ConfigError
 from mm_core.parallel.state import ParallelState
 from mm_core.train.signals import StopRequest
@@ -105,6 +105,9 @@ class TaskContext:
     stop: StopRequest = field(default_factory=StopRequest)
     #: set when this step's stop request was agreed on (by :meth:`reduce` or :meth:`agree_stop`)
     stop_agreed_this_step: bool = False
+    #: what :func:`mm_core.tasks.build_model` resolved for each model (the lines ``mm check`` prints too),
+    #: logged by the trainer once the run is set up
+    build_log: list[str] = field(default_factory=list)
 
     @property
     def param(self) -> dict[str, Any]:
@@ -144,6 +147,13 @@ class Task(ABC):
 
     def __init__(self, ctx: TaskContext) -> None:
         self.ctx = ctx
+
+    @classmethod
+    def model_blocks(cls, cfg: MMConfig) -> dict[str, ModelConfig | None]:
+        """The models :meth:`build` builds with :func:`mm_core.tasks.build_model`, by name: None for the
+        YAML's ``model:`` (the main model), else the ``model:`` block of another model (read from ``cfg``,
+        e.g. ``training.task_param``). ``mm check`` checks each through the worker's build pipeline."""
+        return {MAIN: None}
 
     @abstractmethod
     def build(self) -> TaskParts:

@@ -138,6 +138,8 @@ class Trainer:
             else None
         )
         self._resume()
+        for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
+            self._info(line)
         note = getattr(self.task, "chunked_note", None)
         if note and cfg.model.loss_cfg.chunked_loss and cfg.model.loss_cfg.loss_type != "raw":
             self._info(note)  # once set up: a run that fails to start prints only its error
