@@ -35,8 +35,8 @@ def describe_build(name: str, model: nn.Module, plan: BuildPlan, tokens: int, mo
     experts = len(plan.experts.names)
     return [
         f"{head}{plan.facts.class_name}, {total:,} parameters, {trainable:,} trainable, "
-        f"{total - trainable:,} frozen ({len(plan.prepared.frozen)} modules by model.freeze, LoRA adapters on "
-        f"{len(plan.prepared.lora)})",
+        f"{total - trainable:,} frozen ({len(plan.prepared.frozen)} modules by model.freeze, "
+        f"LoRA adapters on {len(plan.prepared.lora)})",
         f"{head}{len(plan.fsdp.names)} FSDP units from {plan.fsdp.key} and the root; {experts} "
         f"expert-parallel modules (ep={plan.sizes.ep})",
         f"{head}{plan.chunked.note}",
