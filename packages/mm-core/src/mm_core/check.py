@@ -28,7 +28,7 @@ from mm_core.parallel.state import ParallelSizes, resolve_sizes
 from mm_core.parallel.summary import tokens_per_micro_batch
 from mm_core.preflight import run_preflight
 from mm_core.registry import collator_register, data_register, import_plugins, optimizer_register
-from mm_core.tasks.base import MAIN, task_class
+from mm_core.tasks.base import MAIN, Task, task_class
 from mm_core.tasks.building import build_lines, build_settings, prepare_and_plan
 from mm_parallel.device import detect_device_type
 
@@ -154,7 +154,8 @@ def run_check(
         collator_register.get(cfg.data.dataloader_param.collate_param.name)
     optimizer_register.get(cfg.training.optimizer)
     task = task_class(cfg.training.task)
-    blocks = task.model_blocks(cfg) if isinstance(task, type) else {MAIN: None}  # every model it builds
+    # every model the task builds (task_class checked it is a Task subclass)
+    blocks = task.model_blocks(cfg) if isinstance(task, type) and issubclass(task, Task) else {MAIN: None}
     run_preflight(cfg, out)  # every path the run reads: data, tokenizer/processor, weights, training.load
     model, plan = plan_on_meta(cfg, sizes)
     moments = optimizer_plugin(cfg.training.optimizer).states_per_param
