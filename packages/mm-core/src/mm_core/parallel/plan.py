@@ -116,6 +116,20 @@ class BuildPlan:
         return self.experts.names if self.sizes.ep > 1 else ()
 
     @property
+    def fsdp_mesh(self) -> tuple[str, ...]:
+        """The mesh dimensions the FSDP units shard over (``ParallelState.fsdp_mesh``): HSDP replicates over
+        ``dp_replicate``."""
+        return ("dp_replicate", "dp_shard_cp") if self.sizes.dp_replicate > 1 else ("dp_shard_cp",)
+
+    @property
+    def expert_mesh(self) -> tuple[str, ...]:
+        """The mesh dimensions an expert unit shards over (``ParallelState.expert_mesh``; experts split over
+        ``ep``); empty without expert units."""
+        if not self.expert_units:
+            return ()
+        return ("dp_replicate", "efsdp") if self.sizes.dp_replicate > 1 else ("efsdp",)
+
+    @property
     def unit_names(self) -> list[str]:
         """Every FSDP unit but the root, sorted: the memory estimate's units."""
         return sorted(self.fsdp.names)
@@ -229,8 +243,14 @@ def plan_json(plan: BuildPlan) -> dict[str, Any]:
             "key": plan.fsdp.key,
             "matched": {k: list(v) for k, v in plan.fsdp.matched.items()},
             "units": list(plan.fsdp.names),
+            "mesh": list(plan.fsdp_mesh),
         },
-        "experts": {"key": plan.experts.key, "modules": list(plan.experts.names), "ep": plan.sizes.ep},
+        "experts": {
+            "key": plan.experts.key,
+            "modules": list(plan.experts.names),
+            "ep": plan.sizes.ep,
+            "mesh": list(plan.expert_mesh),
+        },
         "ignored": {"key": "parallel.fsdp_plan.ignored_modules", "modules": list(plan.ignored)},
         "mixed_precision": {"key": "parallel.fsdp_plan", **vars(plan.mixed_precision)},
         "recompute": {
