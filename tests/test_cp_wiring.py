@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -20,19 +21,30 @@ from transformers import (
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mm_core.config.schema import ParallelConfig
+from mm_core.config.schema import MMConfig, ParallelConfig
 from mm_core.errors import ConfigError
+from mm_core.models.facts import ModelFacts
+from mm_core.models.plan import plan_of
 from mm_core.parallel.context import (
     ATTENTION_NAME,
     LAYOUT_KWARG,
     ContextParallel,
     context_parallel_attention_forward,
+    plan_context_parallel,
     shard_module_inputs,
     use_context_parallel_attention,
 )
-from mm_core.parallel.state import init_parallel_state, resolve_sizes
+from mm_core.parallel.state import ParallelSizes, init_parallel_state, resolve_sizes
 from mm_core.train.loss import IGNORE_INDEX, count_units, shift_labels
 from mm_parallel.context import SequenceLayout
+
+
+def _switch(model: Any, cfg: MMConfig, sizes: ParallelSizes) -> None:
+    """The build plan's context-parallel checks, then the attention switch, as a worker makes them."""
+    facts = ModelFacts.of(model)
+    use_context_parallel_attention(
+        model, plan_context_parallel(model, facts, plan_of(model), cfg.model, sizes), facts
+    )
 
 
 def _split_worker(rank: int, world: int, init_file: str, ring: int, ulysses: int) -> None:
@@ -157,7 +169,7 @@ def test_attention_is_registered_under_its_own_name():
         head_dim=8,
     )
     model = Qwen3ForCausalLM(config)
-    use_context_parallel_attention(model, _cfg(), _sizes(ring_attention_size=2))
+    _switch(model, _cfg(), _sizes(ring_attention_size=2))
     assert model.config._attn_implementation == ATTENTION_NAME
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is context_parallel_attention_forward
     assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward  # built-ins untouched
@@ -172,21 +184,17 @@ def test_refuses_raw_loss_and_unsupported_models():
 
     for loss_type in ("raw", "per_sample_loss"):
         with pytest.raises(ConfigError, match=f"model.loss_cfg.loss_type: got '{loss_type}'"):
-            use_context_parallel_attention(
-                stand_in(Qwen3Config()), _cfg(loss_type), _sizes(ring_attention_size=2)
-            )
+            _switch(stand_in(Qwen3Config()), _cfg(loss_type), _sizes(ring_attention_size=2))
     with pytest.raises(ConfigError, match=r"parallel.ulysses_parallel_size: .*linear_attention"):
-        use_context_parallel_attention(
-            stand_in(Qwen3_5MoeTextConfig()), _cfg(), _sizes(ulysses_parallel_size=2)
-        )
+        _switch(stand_in(Qwen3_5MoeTextConfig()), _cfg(), _sizes(ulysses_parallel_size=2))
     odd = Qwen3Config(num_attention_heads=3, num_key_value_heads=1)
     with pytest.raises(ConfigError, match="ulysses_parallel_size: got 2; it must divide .* 3"):
-        use_context_parallel_attention(stand_in(odd), _cfg(), _sizes(ulysses_parallel_size=2))
+        _switch(stand_in(odd), _cfg(), _sizes(ulysses_parallel_size=2))
     with pytest.raises(ConfigError, match="did not accept the attention implementation"):
-        use_context_parallel_attention(stand_in(Qwen3Config()), _cfg(), _sizes(ring_attention_size=2))
+        _switch(stand_in(Qwen3Config()), _cfg(), _sizes(ring_attention_size=2))
     # a model with a vision tower needs its class to name the split point (mm_context_parallel_module)
     with pytest.raises(ConfigError, match=r"sub-models \['vision_config'\].*mm_context_parallel_module"):
-        use_context_parallel_attention(stand_in(Qwen3VLConfig()), _cfg(), _sizes(ulysses_parallel_size=2))
+        _switch(stand_in(Qwen3VLConfig()), _cfg(), _sizes(ulysses_parallel_size=2))
 
 
 def test_vision_language_model_switches_only_its_language_model():
@@ -213,6 +221,6 @@ def test_vision_language_model_switches_only_its_language_model():
     )
     model = Qwen3VLForTraining(config)
     vision = model.config.vision_config._attn_implementation
-    use_context_parallel_attention(model, _cfg(), _sizes(ulysses_parallel_size=2))
+    _switch(model, _cfg(), _sizes(ulysses_parallel_size=2))
     assert model.config.text_config._attn_implementation == ATTENTION_NAME
     assert model.config.vision_config._attn_implementation == vision != ATTENTION_NAME

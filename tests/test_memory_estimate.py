@@ -14,7 +14,11 @@ from mm_core.config.loader import load_config
 from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub
 from mm_core.parallel.estimate import estimate_activations
-from mm_core.parallel.memory import apply_chunked_loss, plan_memory_features
+from mm_core.parallel.memory import apply_chunked_loss
+from mm_core.parallel.plan import BuildPlan, resolve_build
+from mm_core.parallel.state import ParallelSizes
+from mm_core.parallel.summary import tokens_per_micro_batch
+from mm_core.tasks.building import build_settings
 from mm_core.train.loss import loss_sum, shift_labels
 
 SEQ, MICRO = 64, 2
@@ -29,6 +33,16 @@ def _cfg(*overrides: str):
             f"training.micro_batch_size={MICRO}",
             *overrides,
         ],
+    )
+
+
+def _plan(model, cfg) -> BuildPlan:
+    return resolve_build(model, build_settings(cfg), ParallelSizes(world_size=1, dp_replicate=1, dp_shard=1))
+
+
+def _estimate(model, cfg) -> tuple[float, float]:
+    return estimate_activations(
+        model, _plan(model, cfg), tokens_per_micro_batch(cfg.data, cfg.training.micro_batch_size)
     )
 
 
@@ -56,8 +70,8 @@ def test_activation_estimate_equals_saved_tensors(chunked):
     torch.manual_seed(0)
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}))
     ids = torch.randint(0, model.config.vocab_size, (MICRO, SEQ))
-    estimated, transient = estimate_activations(model, cfg, [], [])
-    head = apply_chunked_loss(model, cfg)
+    estimated, transient = _estimate(model, cfg)
+    head = apply_chunked_loss(model, _plan(model, cfg).chunked)
     assert (head is not None) == chunked
 
     def forward_loss(ids):
@@ -74,42 +88,42 @@ def test_activation_estimate_equals_saved_tensors(chunked):
     if not chunked:
         return
     meta = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
-    layers = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
-    full, _ = estimate_activations(meta, cfg, layers, [])
-    sel, _ = estimate_activations(
-        meta, _cfg("model.recompute_plan.recompute_granularity=selective"), layers, []
+    every_layer = "model.recompute_plan.apply_modules=[model.layers.{*}]"
+    full, _ = _estimate(meta, _cfg("model.recompute=true", every_layer))
+    assert _plan(meta, _cfg("model.recompute=true", every_layer)).memory.recompute == tuple(
+        f"model.layers.{i}" for i in range(model.config.num_hidden_layers)
     )
+    selective = "model.recompute_plan.recompute_granularity=selective"
+    sel, _ = _estimate(meta, _cfg("model.recompute=true", every_layer, selective))
     assert full < sel < 0.5 * estimated
 
 
 def test_memory_plans_resolve_defaults_and_refuse_bad_values():
     cfg = _cfg("model.recompute=true")
     model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
-    feats = plan_memory_features(model, cfg)
-    assert feats.recompute == [f"model.layers.{i}" for i in range(4)] and feats.recompute_mode == "full"
+    feats = _plan(model, cfg).memory
+    assert feats.recompute == tuple(f"model.layers.{i}" for i in range(4)) and feats.recompute_mode == "full"
     with pytest.raises(ConfigError, match=r"model\.recompute_plan\.use_reentrant: got true"):
-        plan_memory_features(model, _cfg("model.recompute=true", "model.recompute_plan.use_reentrant=true"))
+        _plan(model, _cfg("model.recompute=true", "model.recompute_plan.use_reentrant=true"))
     with pytest.raises(
         ConfigError, match=r"model\.recompute_plan\.apply_modules: pattern 'model\.layer\.\{\*\}'"
     ):
-        plan_memory_features(
-            model, _cfg("model.recompute=true", "model.recompute_plan.apply_modules=[model.layer.{*}]")
-        )
+        _plan(model, _cfg("model.recompute=true", "model.recompute_plan.apply_modules=[model.layer.{*}]"))
     bad_op = _cfg("model.recompute=true", "model.recompute_plan.recompute_granularity=selective",
                   "model.recompute_plan.save_ops=[softmax]")  # fmt: skip
     with pytest.raises(ConfigError, match=r"model\.recompute_plan\.save_ops: unknown op 'softmax'"):
-        plan_memory_features(model, bad_op)
+        _plan(model, bad_op)
     both = _cfg("model.recompute=true", "model.activation_offload=true")
     with pytest.raises(ConfigError, match="either recomputed or offloaded"):
-        plan_memory_features(model, both)
+        _plan(model, both)
     split = _cfg(
         "model.recompute=true",
         "model.recompute_plan.apply_modules=[model.layers.{0-1}]",
         "model.activation_offload=true",
         "model.activation_offload_plan.apply_modules=[model.layers.{2-3}]",
     )
-    feats = plan_memory_features(model, split)
-    assert feats.offload == ["model.layers.2", "model.layers.3"]
+    feats = _plan(model, split).memory
+    assert feats.offload == ("model.layers.2", "model.layers.3")
 
 
 def test_estimate_of_a_model_with_towers_is_its_language_model_s():
@@ -119,7 +133,6 @@ def test_estimate_of_a_model_with_towers_is_its_language_model_s():
 
     from mm_core.parallel.estimate import model_parts
 
-    cfg = _cfg()
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     text.update(num_key_value_heads=2, head_dim=16, vocab_size=320)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
@@ -133,9 +146,14 @@ def test_estimate_of_a_model_with_towers_is_its_language_model_s():
         )
         lm = Qwen3ForCausalLM(Qwen3Config(**text))
     recompute = ["model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0"]
-    got = estimate_activations(vlm, cfg, recompute, [])
+    recomputed = f"model.recompute_plan.apply_modules=[{', '.join(recompute)}]"
+    no_units = "parallel.fsdp_plan.apply_modules=[]"  # the quickstart's name the text model's layers
+    got = _estimate(vlm, _cfg("model.recompute=true", recomputed, no_units))
+    assert _plan(vlm, _cfg("model.recompute=true", recomputed, no_units)).memory.recompute == tuple(recompute)
     assert got[0] > 0
-    assert got == estimate_activations(lm, cfg, ["model.layers.0"], [])
+    assert got == _estimate(
+        lm, _cfg("model.recompute=true", "model.recompute_plan.apply_modules=[model.layers.0]")
+    )
     parts = {p.name: p for p in model_parts(vlm, recompute, 2, 2)}
     assert set(parts) == {"model.visual", "model.language_model", "lm_head"}
     assert parts["model.visual"].units == 2 and parts["model.language_model"].units == 1

@@ -14,6 +14,7 @@ from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelHub
 from mm_core.parallel.apply import check_initialised, materialize_meta, shard_model
 from mm_core.parallel.state import init_parallel_state
+from mm_core.tasks.building import build_settings, prepare_and_plan
 
 SMALL = [
     "data.dataset_param.basic_parameters.seq_len=32",
@@ -29,7 +30,7 @@ def test_meta_init_initialises_every_tensor(group):
     state = init_parallel_state(cfg.parallel, "cpu")
     model = ModelHub.build(cfg.model, meta=True)
     assert all(p.is_meta for p in model.parameters())
-    shard_model(model, cfg, state)
+    shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
     materialize_meta(model, state.device, init=True)
     check_initialised(model)  # no NaN sentinel left anywhere
     ref = ModelHub.build(cfg.model)

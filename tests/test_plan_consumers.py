@@ -21,6 +21,7 @@ from mm_core.optim import OptimizerPlugin
 from mm_core.parallel.apply import materialize_meta, shard_model
 from mm_core.parallel.state import init_parallel_state
 from mm_core.registry import model_register, optimizer_register
+from mm_core.tasks.building import build_settings, prepare_and_plan
 from mm_models_qwen.qwen3_moe import Qwen3MoeForTraining
 from mm_parallel.moe import ExpertParallelExperts
 
@@ -91,7 +92,7 @@ def test_meta_init_initialises_the_expert_adapters_of_every_moe_model(group, mod
     assert plan_of(ModelHub.model_class(cfg.model)).init_weights is not None
     state = init_parallel_state(cfg.parallel, "cpu")
     model = ModelHub.build(cfg.model, meta=True)
-    shard_model(model, cfg, state)
+    shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
     adapters = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     assert len(adapters) == 2
     materialize_meta(model, state.device, init=True)  # raises naming any tensor left NaN
@@ -127,7 +128,7 @@ def test_the_plan_names_the_expert_adapter(group) -> None:
         )
         state = init_parallel_state(cfg.parallel, "cpu")
         model = ModelHub.build(cfg.model, meta=True)
-        shard_model(model, cfg, state)
+        shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
         kinds = {type(model.get_submodule(f"model.layers.{i}.mlp.experts")) for i in range(2)}
         assert kinds == {_Adapter}
     finally:

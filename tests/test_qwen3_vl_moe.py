@@ -16,6 +16,7 @@ from mm_core.config import load_config
 from mm_core.models import ModelHub
 from mm_core.parallel.apply import materialize_meta, shard_model
 from mm_core.parallel.state import init_parallel_state
+from mm_core.tasks.building import build_settings, prepare_and_plan
 from mm_parallel.moe import ExpertParallelExperts
 
 STEPS = 3
@@ -68,7 +69,7 @@ def test_meta_init_initialises_routers_and_expert_adapters(group):
     )
     state = init_parallel_state(cfg.parallel, "cpu")
     model = ModelHub.build(cfg.model, meta=True)
-    shard_model(model, cfg, state)
+    shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
     adapters = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     assert len(adapters) == 2
     materialize_meta(model, state.device, init=True)  # raises naming any tensor left NaN

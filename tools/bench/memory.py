@@ -130,8 +130,8 @@ def _worker(rank: int, world: int, port: int, args: list[str], result: str) -> N
 
 
 def estimate(args: list[str], world: int) -> float:
+    from mm_core.check import estimate_for_config
     from mm_core.config.loader import load_config
-    from mm_core.parallel.estimate import estimate_for_config
 
     os.chdir(REPO)
     return estimate_for_config(load_config(QUICKSTART, args), world).total

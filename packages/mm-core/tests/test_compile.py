@@ -26,8 +26,8 @@ from mm_core.check import run_check
 from mm_core.config.loader import load_config
 from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
-from mm_core.models.hub import ModelHub
 from mm_core.parallel.compile import plan_compile
+from mm_core.parallel.memory import MemoryFeatures
 from mm_parallel.compile import CompileError, compile_modules
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -121,14 +121,8 @@ def test_compile_plan_in_mm_check(
         "compile     : torch.compile per FSDP unit: 2 of 2 compiled (model.layers.0, model.layers.1)"
     ]
     # a unit holding an expert-parallel module runs eagerly
-    cfg = config()
-    plan = plan_compile(
-        ModelHub.build(cfg.model, meta=True),
-        cfg,
-        ["model.layers.0", "model.layers.1"],
-        ["model.layers.1.mlp"],
-    )
-    assert plan.compiled == ["model.layers.0"]
+    plan = plan_compile(["model.layers.0", "model.layers.1"], ["model.layers.1.mlp"], MemoryFeatures())
+    assert plan.compiled == ("model.layers.0",)
     assert plan.eager == {"model.layers.1": "holds the expert-parallel module model.layers.1.mlp"}
     # recompute inside a compiled unit would break its graph: refused, by mm check as by the trainer
     cfg = config(recompute=True, recompute_plan={"apply_modules": ["model.layers.{*}.mlp"]})

@@ -15,14 +15,15 @@ import torch
 from torch import nn
 
 from mm_core.config import load_config
-from mm_core.config.schema import TrainingConfig
+from mm_core.config.schema import MMConfig, TrainingConfig
 from mm_core.data import EpochIterator, TokenBudgetBatchSampler, build_dataloader
 from mm_core.data.sampling import bucket_run_ends
 from mm_core.errors import ConfigError
-from mm_core.models import ModelPlan
+from mm_core.models import ModelPlan, plan_of
+from mm_core.models.facts import ModelFacts
 from mm_core.optim.muon import muon_plan
-from mm_core.parallel.context import use_context_parallel_attention
-from mm_core.parallel.state import resolve_sizes
+from mm_core.parallel.context import ContextPlan, plan_context_parallel
+from mm_core.parallel.state import ParallelSizes, resolve_sizes
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "config.yaml"
 
@@ -60,14 +61,18 @@ def test_plan_hooks_are_checked_and_described() -> None:
     assert lines[-1].split() == ["init_weights", "-"]
 
 
+def _plan_cp(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> ContextPlan:
+    return plan_context_parallel(model, ModelFacts.of(model), plan_of(model), cfg.model, sizes)
+
+
 def test_a_model_that_splits_itself_needs_the_raw_loss() -> None:
     sizes = resolve_sizes(load_config(QUICKSTART, ["parallel.ulysses_parallel_size=2"]).parallel, 2)
     raw = load_config(QUICKSTART, ["model.loss_cfg.loss_type=raw"])
-    use_context_parallel_attention(SelfSplit(), raw, sizes)  # no transformers attention to switch: accepted
+    assert _plan_cp(SelfSplit(), raw, sizes).attention is None  # no transformers attention to switch
     with pytest.raises(ConfigError, match="splits its own sequence and computes its own loss; use raw"):
-        use_context_parallel_attention(SelfSplit(), load_config(QUICKSTART), sizes)
+        _plan_cp(SelfSplit(), load_config(QUICKSTART), sizes)
     with pytest.raises(ConfigError, match="neither the model's own .loss"):  # without the hook: refused
-        use_context_parallel_attention(nn.Linear(2, 2), raw, sizes)
+        _plan_cp(nn.Linear(2, 2), raw, sizes)
 
 
 def test_plan_muon_exclusions_may_name_parameters() -> None:

@@ -25,11 +25,11 @@ from mm_core.optim import (
     optimizer_plugin,
 )
 from mm_core.optim.muon import muon_plan
-from mm_core.parallel.apply import fsdp_patterns
 from mm_core.parallel.estimate import estimate_breakdown
-from mm_core.parallel.experts import ep_patterns
-from mm_core.parallel.memory import plan_memory_features
+from mm_core.parallel.plan import resolve_build
+from mm_core.parallel.state import ParallelSizes
 from mm_core.registry import optimizer_register
+from mm_core.tasks.building import build_settings
 from mm_parallel.moe import ExpertParallelExperts
 
 
@@ -165,11 +165,15 @@ def test_legacy_class_attributes_still_work_with_one_warning() -> None:
         plan_of(Broken)
 
 
+_ONE = ParallelSizes(world_size=1, dp_replicate=1, dp_shard=1)
+
+
 def test_every_consumer_reads_the_declared_plan() -> None:
     model, cfg = Planned(), _cfg()
-    assert fsdp_patterns(model, cfg) == (["blocks.{*}"], "default plan of Planned")
-    assert ep_patterns(model, cfg) == (["blocks.{*}.mlp"], "default ep plan of Planned")
-    assert plan_memory_features(model, cfg).recompute == ["blocks.0", "blocks.1"]
+    plan = resolve_build(model, build_settings(cfg), _ONE)
+    assert plan.fsdp.key == "default plan of Planned" and list(plan.fsdp.matched) == ["blocks.{*}"]
+    assert plan.experts.key == "default ep plan of Planned"
+    assert plan.memory.recompute == ("blocks.0", "blocks.1")
     split = muon_plan(model, cfg.training, plan_of(model))
     assert {d.name for d in split.decisions if not d.use_muon and "excluded module" in d.reason} == {
         f"blocks.{i}.gate.weight" for i in range(3)
@@ -178,8 +182,10 @@ def test_every_consumer_reads_the_declared_plan() -> None:
     with pytest.raises(
         ConfigError, match=r"Unplanned declares no default plan \(ModelPlan.recompute_units\)"
     ):
-        plan_memory_features(Unplanned(), cfg)
-    assert fsdp_patterns(Unplanned(), cfg) == ([], "default plan of Unplanned")
+        resolve_build(Unplanned(), build_settings(cfg), _ONE)
+    no_recompute = cfg.model.model_copy(update={"recompute": False})
+    unplanned = resolve_build(Unplanned(), build_settings(cfg, no_recompute), _ONE)
+    assert unplanned.fsdp.key == "default plan of Unplanned" and not unplanned.fsdp.matched
     assert "blocks.0.gate.weight" in muon_plan(Unplanned(), cfg.training, plan_of(Unplanned())).muon_names
 
 
@@ -230,7 +236,11 @@ def test_a_registered_optimizer_plugin_is_used_through_its_hooks_only() -> None:
             "sgd-ish, one line",
             "  and a second",
         ]
-        assert estimate_breakdown(model, cfg, 1, [], [], []).optimizer == 0
+        moments = optimizer_plugin(cfg.training.optimizer).states_per_param
+        assert (
+            estimate_breakdown(model, resolve_build(model, build_settings(cfg), _ONE), 0, moments).optimizer
+            == 0
+        )
     finally:
         optimizer_register.unregister("plan_test_sgd")
 

@@ -25,6 +25,7 @@ from mm_core.config.schema import ModelConfig
 from mm_core.models import ModelHub, plan_of
 from mm_core.parallel.apply import materialize_meta, shard_model
 from mm_core.parallel.state import init_parallel_state
+from mm_core.tasks.building import build_settings, prepare_and_plan
 from mm_models_minimax.minimax_m3_vl import INDEXER, MiniMaxM3ExpertParallelExperts, MiniMaxM3VLForTraining
 from mm_parallel.patterns import match_modules
 
@@ -213,7 +214,7 @@ def test_meta_init_initialises_routers_and_expert_adapters(one_rank_group):
     )
     state = init_parallel_state(cfg.parallel, "cpu")
     model = ModelHub.build(cfg.model, meta=True)
-    shard_model(model, cfg, state)
+    shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
     adapters = [m for m in model.modules() if isinstance(m, MiniMaxM3ExpertParallelExperts)]
     assert len(adapters) == 1 and adapters[0].swiglu_alpha == pytest.approx(1.702)
     materialize_meta(model, state.device, init=True)  # raises naming any tensor left NaN

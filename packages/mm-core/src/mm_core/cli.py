@@ -37,7 +37,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from mm_core.check import run_check
         from mm_core.config import load_config
 
-        run_check(load_config(args.config, args.overrides), args.world_size, probe_grads=args.grad_probe)
+        cfg = load_config(args.config, args.overrides)
+        run_check(cfg, args.world_size, probe_grads=args.grad_probe, as_json=args.json)
 
     return guarded(go)
 
@@ -126,6 +127,11 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=1, help="world size to check the layout for")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the resolved build plan, parameter counts and memory estimate as one JSON object",
+    )
     p.add_argument(
         "--grad-probe",
         action="store_true",

@@ -35,17 +35,13 @@ def check_lora_settings(cfg: LoraConfig, from_scratch: bool, has_base_weights: b
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Inject LoRA adapters into the modules named by ``cfg.target_modules`` and freeze everything else.
-    Returns the names of the adapted modules. Call after ``model.freeze`` and before FSDP."""
+    Returns the names of the adapted modules. Call after ``model.freeze`` and before FSDP (on a meta-built
+    model the adapters are meta tensors too: ``mm check`` counts them; training refuses LoRA with
+    ``training.init_model_with_meta_device``, see :func:`~mm_core.parallel.apply.prepare_model`)."""
     if not cfg.target_modules:
         raise ConfigError(
             "training.lora.target_modules: empty; name the linear layers to adapt, e.g. [q_proj, k_proj, "
             "v_proj, o_proj] (module names or name suffixes, as peft accepts them)"
-        )
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError(
-            "training.lora.enable: true with training.init_model_with_meta_device: true is not supported yet "
-            "(the adapters would need their own initialisation after loading); set "
-            "training.init_model_with_meta_device: false"
         )
     peft = _peft()
     config = peft.LoraConfig(

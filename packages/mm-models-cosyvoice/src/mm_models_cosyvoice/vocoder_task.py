@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from mm_core.config.schema import ModelConfig
+from mm_core.config.schema import MMConfig, ModelConfig
 from mm_core.data import move_to_device
 from mm_core.errors import ConfigError, DataError
 from mm_core.models.plan import plan_of
@@ -95,6 +95,20 @@ class CosyVoiceVocoderTask(Task):
     """The HiFT generator against its discriminators (module docstring)."""
 
     # ------------------------------------------------------------------------------------------ build
+    @classmethod
+    def model_blocks(cls, cfg: MMConfig) -> dict[str, ModelConfig | None]:
+        """The generator (the YAML's ``model:``) and the discriminator (``training.task_param.discriminator``:
+        its config_overrides)."""
+        overrides = cfg.training.task_param.get(DISCRIMINATOR) or {}
+        if not isinstance(overrides, dict):
+            raise ConfigError(
+                f"training.task_param.{DISCRIMINATOR}: got {overrides!r}; expected a mapping of the "
+                "discriminator's config_overrides"
+            )
+        DiscriminatorConfig.from_overrides(overrides, f"training.task_param.{DISCRIMINATOR}")
+        disc = ModelConfig(model_id=DISCRIMINATOR_MODEL_ID, from_scratch=True, config_overrides=overrides)
+        return {MAIN: None, DISCRIMINATOR: disc}
+
     def build(self) -> TaskParts:
         param = self.ctx.param
         unknown = sorted(set(param) - set(KEYS))
@@ -107,13 +121,7 @@ class CosyVoiceVocoderTask(Task):
             raise ConfigError(
                 f"training.task_param.f0_target: got {self.f0_target!r}; accepted: {', '.join(F0_TARGETS)}"
             )
-        overrides = param.get(DISCRIMINATOR) or {}
-        if not isinstance(overrides, dict):
-            raise ConfigError(
-                f"training.task_param.{DISCRIMINATOR}: got {overrides!r}; expected a mapping of the "
-                "discriminator's config_overrides"
-            )
-        DiscriminatorConfig.from_overrides(overrides, f"training.task_param.{DISCRIMINATOR}")
+        disc_cfg = self.model_blocks(self.ctx.cfg)[DISCRIMINATOR]
         disc_lr = _number(param, "discriminator_lr", tcfg.lr)
 
         self.generator = build_model(self.ctx).model
@@ -124,7 +132,6 @@ class CosyVoiceVocoderTask(Task):
             )
         self.hop = self.generator.config.hop_length
         self._check_f0_predictor()
-        disc_cfg = ModelConfig(model_id=DISCRIMINATOR_MODEL_ID, from_scratch=True, config_overrides=overrides)
         self.disc = build_model(self.ctx, disc_cfg).model
 
         disc_training = tcfg.model_copy(update={"lr": disc_lr})

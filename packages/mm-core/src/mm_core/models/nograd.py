@@ -32,6 +32,8 @@ from mm_parallel.patterns import ModulePattern
 FROZEN_REASONS_ATTR = "mm_frozen_reasons"
 #: the reason of parameters frozen by ``model.freeze``
 YAML_FREEZE = "model.freeze"
+#: the reason of parameters frozen because LoRA trains only its adapters
+LORA_FREEZE = "training.lora (only the adapters train)"
 
 
 def path_shape(name: str) -> str:
@@ -61,9 +63,12 @@ def _group(entries: Sequence[tuple[str, str, int, str]]) -> list[ParamGroup]:
     ]
 
 
-def frozen_groups(model: nn.Module, yaml_frozen: Sequence[str] = ()) -> list[ParamGroup]:
+def frozen_groups(
+    model: nn.Module, yaml_frozen: Sequence[str] = (), lora_adapted: Sequence[str] = ()
+) -> list[ParamGroup]:
     """The parameters with ``requires_grad=False``, grouped with their reason. ``yaml_frozen``: the module
-    names ``model.freeze`` matched (what ``apply_freeze`` returns)."""
+    names ``model.freeze`` matched (what ``apply_freeze`` returns); ``lora_adapted``: the modules that got
+    LoRA adapters (``training.lora``: every other parameter is frozen)."""
     declared: Mapping[str, str] = getattr(type(model), FROZEN_REASONS_ATTR, None) or {}
     patterns = [(ModulePattern(p), p, r) for p, r in declared.items()]
     by_yaml = sorted(yaml_frozen, key=len, reverse=True)  # the innermost frozen module names the group
@@ -81,6 +86,9 @@ def frozen_groups(model: nn.Module, yaml_frozen: Sequence[str] = ()) -> list[Par
         hit = next(((m, p, r) for m in prefixes for pat, p, r in patterns if pat.matches(m)), None)
         if hit is not None:
             entries.append((hit[0], hit[1], param.numel(), f"frozen by {owner}: {hit[2]}"))
+        elif lora_adapted:
+            parent = ".".join(parts)
+            entries.append((parent, path_shape(parent), param.numel(), LORA_FREEZE))
         else:
             parent = ".".join(parts)
             entries.append(
@@ -101,9 +109,11 @@ def _rows(groups: Sequence[ParamGroup], limit: int) -> list[str]:
     return lines
 
 
-def describe_frozen(model: nn.Module, yaml_frozen: Sequence[str] = (), limit: int = 12) -> list[str]:
+def describe_frozen(
+    model: nn.Module, yaml_frozen: Sequence[str] = (), lora_adapted: Sequence[str] = (), limit: int = 12
+) -> list[str]:
     """Lines for ``mm check``: the frozen parameters (none: no line) and why."""
-    groups = frozen_groups(model, yaml_frozen)
+    groups = frozen_groups(model, yaml_frozen, lora_adapted)
     if not groups:
         return []
     tensors, elements = sum(g.tensors for g in groups), sum(g.elements for g in groups)

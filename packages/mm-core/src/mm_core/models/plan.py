@@ -205,9 +205,9 @@ def init_expert_adapters(model: nn.Module, std: float | None = None) -> None:
     The shared :attr:`ModelPlan.init_weights` hook of mixture-of-experts models: transformers'
     ``init_weights()`` does not know the adapters, which replace modules inside the base model."""
     if std is None:
-        config: Any = getattr(model, "config", None)  # a transformers PretrainedConfig, if any
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        std = getattr(text, "initializer_range", None) or 0.02
+        from mm_core.models.facts import text_config_of
+
+        std = getattr(text_config_of(model), "initializer_range", None) or 0.02
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
             module.reset_parameters(std)

@@ -13,19 +13,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from mm_core.config.schema import MMConfig
+from mm_core.config.schema import LoraConfig, ModelConfig
 from mm_core.errors import ConfigError
 from mm_core.lora import apply_lora, check_lora_settings
 from mm_core.models.hub import has_weights
 from mm_core.models.output import normalize_outputs
-from mm_core.models.plan import plan_of
-from mm_core.parallel.compile import apply_compile, plan_compile
+from mm_core.models.plan import ModelPlan, plan_of
+from mm_core.parallel.compile import apply_compile
 from mm_core.parallel.experts import apply_expert_parallel
 from mm_core.parallel.memory import apply_chunked_loss, apply_memory_features, apply_prefetch
+from mm_core.parallel.plan import BuildPlan, Prepared
 from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.memory import ExecutionOrderPrefetch
-from mm_parallel.patterns import PatternError, match_modules, select_modules
+from mm_parallel.patterns import PatternError, match_modules
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -53,13 +54,6 @@ def resolve_patterns(model: nn.Module, patterns: list[str], key: str) -> dict[st
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def fsdp_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
-    """The FSDP unit patterns and where they came from (the YAML, or the model's default plan)."""
-    if cfg.parallel.fsdp_plan.apply_modules:
-        return list(cfg.parallel.fsdp_plan.apply_modules), "parallel.fsdp_plan.apply_modules"
-    return list(plan_of(model).fsdp_units), f"default plan of {type(model).__name__}"
-
-
 def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     """Set ``requires_grad=False`` on every parameter of the matched modules; returns the module names."""
     if not patterns:
@@ -74,95 +68,92 @@ def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     return names
 
 
-def ignored_params(model: nn.Module, cfg: MMConfig) -> set[nn.Parameter]:
-    """Parameters of ``fsdp_plan.ignored_modules``: kept whole on every rank, so they must be frozen."""
-    patterns = cfg.parallel.fsdp_plan.ignored_modules
-    if not patterns:
-        return set()
-    key = "parallel.fsdp_plan.ignored_modules"
-    out: set[nn.Parameter] = set()
-    for name, module in select_modules_checked(model, patterns, key):
-        for pname, p in module.named_parameters():
-            if p.requires_grad:
+def prepare_model(
+    model: nn.Module, mcfg: ModelConfig, lora: LoraConfig | None, *, meta_init: bool = False
+) -> Prepared:
+    """What changes the model's parameters before its build plan is resolved: ``model.freeze``, then, with
+    ``training.lora.enable``, the LoRA adapters (everything else frozen). ``lora`` None: no adapters (another
+    model of a task). ``meta_init``: ``training.init_model_with_meta_device``, which LoRA does not support."""
+    frozen = apply_freeze(model, mcfg.freeze)
+    adapted: list[str] = []
+    if lora is not None:
+        path = mcfg.model_name_or_path
+        check_lora_settings(lora, mcfg.from_scratch, bool(path and has_weights(path)))
+        if lora.enable:
+            if meta_init:
                 raise ConfigError(
-                    f"{key}: {name}.{pname} is trainable; FSDP does not reduce gradients of ignored modules, "
-                    "so only frozen modules (model.freeze) may be ignored"
+                    "training.lora.enable: true with training.init_model_with_meta_device: true is not "
+                    "supported yet (the adapters would need their own initialisation after loading); set "
+                    "training.init_model_with_meta_device: false"
                 )
-            out.add(p)
-    return out
-
-
-def select_modules_checked(model: nn.Module, patterns: list[str], key: str) -> list[tuple[str, nn.Module]]:
-    resolve_patterns(model, patterns, key)
-    return select_modules(model, patterns)
+            adapted = apply_lora(model, lora)
+    return Prepared(tuple(frozen), tuple(adapted))
 
 
 def shard_model(
-    model: nn.Module, cfg: MMConfig, state: ParallelState
+    model: nn.Module, plan: BuildPlan, state: ParallelState
 ) -> tuple[nn.Module, ExecutionOrderPrefetch | None]:
-    """FSDP2 over the layout's mesh: matched modules as units (inner first), then the root. With
-    ``training.lora.enable`` the adapters are injected first (after ``model.freeze``), so FSDP shards them.
+    """Apply ``plan`` (see :func:`~mm_core.parallel.plan.resolve_build`): the chunked loss head, expert
+    parallelism, recompute / offload, ``training.compile``, then FSDP2 over the layout's mesh (the planned
+    units, inner first, then the root).
 
     Returns the sharded model and its gathering plan (hook groups, prefetch, pregather; None when the YAML
     asks for none), whose :meth:`~ExecutionOrderPrefetch.pregather` the trainer calls after each step."""
-    path = cfg.model.model_name_or_path
-    check_lora_settings(cfg.training.lora, cfg.model.from_scratch, bool(path and has_weights(path)))
-    if cfg.training.lora.enable:
-        apply_lora(model, cfg.training.lora)
-    apply_chunked_loss(
-        model, cfg
-    )  # the output head, swapped over its own parameters (after LoRA: it may wrap it)
-    plan = cfg.parallel.fsdp_plan
+    apply_chunked_loss(model, plan.chunked)  # the output head, swapped over its own parameters
+    prec = plan.mixed_precision
     mp = mixed_precision_policy(
-        to_dtype(plan.param_dtype),
-        to_dtype(plan.reduce_dtype),
-        to_dtype(plan.output_dtype),
-        plan.cast_forward_inputs,
+        to_dtype(prec.param_dtype),
+        to_dtype(prec.reduce_dtype),
+        to_dtype(prec.output_dtype),
+        prec.cast_forward_inputs,
     )
+    fsdp = plan.settings.parallel.fsdp_plan
     # expert modules are swapped for the expert-parallel adapter (and, with ep > 1, sharded over the expert
     # mesh) before the other units, which then hold everything else
     experts = apply_expert_parallel(
-        model, cfg, state, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward
+        model,
+        plan.experts.names,
+        plan.model_plan,
+        plan.settings.parallel.ep_plan.dispatcher,
+        state,
+        mp_policy=mp,
+        reshard_after_forward=fsdp.reshard_after_forward,
     )
-    patterns, source = fsdp_patterns(model, cfg)
-    units = [m for n, m in select_modules_checked(model, patterns, source) if n not in experts]
-    # inner modules must be wrapped before the modules that contain them
-    depth = {id(m): name.count(".") for name, m in model.named_modules()}
-    units.sort(key=lambda m: -depth[id(m)])
-    unit_names = {id(m): n for n, m in model.named_modules()}
-    compiled = (
-        plan_compile(model, cfg, [unit_names[id(m)] for m in units], experts)
-        if cfg.training.compile
-        else None
-    )
+    units = [(n, model.get_submodule(n)) for n in plan.fsdp.names]
+    compiled = plan.compile
     # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after.
     # training.compile then compiles each unit's forward in place (a recomputed one: checkpoint inside)
-    apply_memory_features(model, cfg, state.device.type, compiled=compiled.recomputed if compiled else ())
+    apply_memory_features(
+        model, plan.memory, state.device.type, compiled=compiled.recomputed if compiled else ()
+    )
     if compiled is not None:
-        apply_compile(model, cfg, compiled, state)
+        apply_compile(model, compiled, plan.memory, is_main=state.is_main)
+    ignored = {p for n in plan.ignored for p in model.get_submodule(n).parameters()}
     # before fully_shard's own hook: FSDP2 must see the output's tensors to hook the root unit's backward
     normalize_outputs(model)
     sharded = apply_fsdp(
         model,
         state.fsdp_mesh,
-        units,
+        [m for _, m in units],
         mp_policy=mp,
-        reshard_after_forward=plan.reshard_after_forward,
-        cpu_offload=plan.cpu_offload,
-        ignored_params=ignored_params(model, cfg) or None,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        cpu_offload=fsdp.cpu_offload,
+        ignored_params=ignored or None,
     )
     assert isinstance(sharded, nn.Module)  # apply_fsdp returns `model`, now also an FSDPModule
     # the expert modules are FSDP units of their own when ep > 1 (sharded over efsdp by apply_expert_parallel)
     expert_units = [(n, sharded.get_submodule(n)) for n in experts]
-    gathered = [(unit_names[id(m)], m) for m in units]
-    gathered += [u for u in expert_units if isinstance(u[1], FSDPModule)]
-    return sharded, apply_prefetch(sharded, cfg, gathered)
+    gathered = units + [u for u in expert_units if isinstance(u[1], FSDPModule)]
+    return sharded, apply_prefetch(sharded, plan.gather, gathered)
 
 
 @torch.no_grad()
-def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> None:
+def materialize_meta(
+    model: nn.Module, device: torch.device, *, init: bool, model_plan: ModelPlan | None = None
+) -> None:
     """Allocate a meta-built (and sharded) model on ``device`` and run its ``init_weights()``, then the
-    ``init_weights`` hook of its :class:`~mm_core.models.plan.ModelPlan` (e.g. for expert-parallel adapters).
+    ``init_weights`` hook of its :class:`~mm_core.models.plan.ModelPlan` (``model_plan``, read from the model
+    when None; e.g. for expert-parallel adapters).
 
     With ``init=False`` (weights will be loaded next) the parameters are then filled with NaN, so that any
     parameter the checkpoint does not provide is caught by :func:`check_initialised`, by name; buffers keep
@@ -181,7 +172,7 @@ def materialize_meta(model: nn.Module, device: torch.device, *, init: bool) -> N
             "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
         )
     init_fn()
-    hook = plan_of(model).init_weights
+    hook = (model_plan or plan_of(model)).init_weights
     if hook is not None:
         hook(model)
     if init:

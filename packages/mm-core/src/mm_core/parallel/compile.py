@@ -12,15 +12,13 @@ Recompute or offload of a module *inside* a compiled unit is refused.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from mm_core.config.schema import MMConfig
 from mm_core.errors import ConfigError
-from mm_core.parallel.memory import plan_memory_features
-from mm_core.parallel.state import ParallelState
+from mm_core.parallel.memory import MemoryFeatures
 from mm_parallel.compile import compile_modules
 from mm_parallel.memory import resolve_ops
 
@@ -34,17 +32,17 @@ ERROR_HINT = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompilePlan:
     """Which FSDP units ``training.compile`` compiles, and why the others run eagerly."""
 
-    compiled: list[str] = field(default_factory=list)
-    eager: dict[str, str] = field(default_factory=dict)
+    compiled: tuple[str, ...] = ()
+    eager: Mapping[str, str] = field(default_factory=dict)
     #: compiled units that are recomputed: checkpointed inside their compiled forward
-    recomputed: list[str] = field(default_factory=list)
+    recomputed: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        def shown(names: list[str]) -> str:
+        def shown(names: Sequence[str]) -> str:
             return ", ".join(names[:3]) + (f", ... ({len(names)} units)" if len(names) > 3 else "")
 
         total = len(self.compiled) + len(self.eager)
@@ -64,53 +62,50 @@ def _inside(name: str, outer: str) -> bool:
     return name != outer and (not outer or name.startswith(outer + "."))
 
 
-def plan_compile(
-    model: nn.Module, cfg: MMConfig, units: Sequence[str], experts: Sequence[str]
-) -> CompilePlan:
+def plan_compile(units: Sequence[str], experts: Sequence[str], feats: MemoryFeatures) -> CompilePlan:
     """Split the FSDP ``units`` (module names, expert modules excluded) into compiled and eager ones, and
-    check the memory features against the compiled ones (a ConfigError names the YAML key)."""
-    plan = CompilePlan()
+    check the memory features ``feats`` against the compiled ones (a ConfigError names the YAML key)."""
+    compiled: list[str] = []
+    eager: dict[str, str] = {}
     for unit in units:
         held_experts = [e for e in experts if _inside(e, unit)]
         held_units = [u for u in units if _inside(u, unit)]
         if not unit:
-            plan.eager[unit] = "is the whole model"
+            eager[unit] = "is the whole model"
         elif held_experts:
-            plan.eager[unit] = f"holds the expert-parallel module {held_experts[0]}"
+            eager[unit] = f"holds the expert-parallel module {held_experts[0]}"
         elif held_units:
-            plan.eager[unit] = f"holds the FSDP unit {held_units[0]}"
+            eager[unit] = f"holds the FSDP unit {held_units[0]}"
         else:
-            plan.compiled.append(unit)
-    feats = plan_memory_features(model, cfg)
+            compiled.append(unit)
     # recompute checkpoints only the outermost of the matched modules
     recomputed = [r for r in feats.recompute if not any(_inside(r, o) for o in feats.recompute)]
-    plan.recomputed = [u for u in plan.compiled if u in recomputed]
+    recomputed_units = tuple(u for u in compiled if u in recomputed)
     for key, names in (
         ("model.recompute_plan.apply_modules", recomputed),
         ("model.activation_offload_plan.apply_modules", feats.offload),
     ):
         for name in names:
-            outer = next((u for u in plan.compiled if _inside(name, u)), None)
+            outer = next((u for u in compiled if _inside(name, u)), None)
             if outer is not None:
                 raise ConfigError(
                     f"{key}: {name} is inside the FSDP unit {outer}, which {KEY}: true compiles into one "
                     "graph; name whole FSDP units (the model's default plan) or modules that contain them, "
                     f"or set {KEY}: false"
                 )
-    return plan
+    return CompilePlan(tuple(compiled), eager, recomputed_units)
 
 
-def apply_compile(model: nn.Module, cfg: MMConfig, plan: CompilePlan, state: ParallelState) -> None:
+def apply_compile(model: nn.Module, plan: CompilePlan, feats: MemoryFeatures, *, is_main: bool) -> None:
     """Compile the planned FSDP units in place (after :func:`apply_memory_features` was given
-    ``plan.compiled`` to leave to it, before ``fully_shard``) and log how many on rank 0."""
+    ``plan.compiled`` to leave to it, before ``fully_shard``) and log how many on rank 0 (``is_main``)."""
     modules = dict(model.named_modules())
-    rplan = cfg.model.recompute_plan
-    selective = cfg.model.recompute and rplan.recompute_granularity == "selective"
+    selective = feats.recompute_mode == "selective"
     compile_modules(
         [(n, modules[n]) for n in plan.compiled],
-        checkpointed=plan.recomputed,
-        save_ops=resolve_ops(rplan.save_ops) if selective else None,
+        checkpointed=list(plan.recomputed),
+        save_ops=resolve_ops(list(feats.save_ops)) if selective else None,
         error_hint=ERROR_HINT,
     )
-    if state.is_main:
+    if is_main:
         log.warning(f"{KEY}: {plan.describe()}")

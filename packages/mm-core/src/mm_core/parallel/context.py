@@ -19,14 +19,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
 from torch import nn
 
-from mm_core.config.schema import MMConfig
+from mm_core.config.schema import ModelConfig
 from mm_core.errors import ConfigError
-from mm_core.models.plan import plan_of
+from mm_core.models.facts import ModelFacts
+from mm_core.models.plan import ModelPlan
 from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_core.train.loss import IGNORE_INDEX
 from mm_parallel.context import (
@@ -87,57 +89,84 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
-def use_context_parallel_attention(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> None:
-    """Check that ``model`` can run context parallel under ``cfg`` and switch it to mm's attention (a model
-    that splits its own sequence, ``ModelPlan.context_parallel``, is only checked: it trains on its own
-    loss)."""
-    key = "ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size"
-    loss_type = cfg.model.loss_cfg.loss_type
-    if plan_of(model).context_parallel is not None:
+@dataclass(frozen=True)
+class ContextPlan:
+    """Context parallelism of one model: the YAML key that asked for it, the attention entry the model is
+    switched to (None: the model splits its own sequence, ``ModelPlan.context_parallel``), and where the
+    sequence is split (None: the batch, before the model; else the module ``ModelPlan.cp_split_module``)."""
+
+    key: str
+    attention: str | None
+    split_module: str | None
+    #: whether only the language model's attention is switched (a model with towers)
+    text_only: bool
+
+    def describe(self) -> str:
+        if self.attention is None:
+            return f"context par.: the model splits its own sequence (ModelPlan.context_parallel), {self.key}"
+        split = f"at the input of {self.split_module}" if self.split_module else "before the model"
+        return f"context par.: attention {self.attention!r}, the sequence split {split}, from {self.key}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"key": self.key, "attention": self.attention, "split_module": self.split_module}
+
+
+def plan_context_parallel(
+    model: nn.Module, facts: ModelFacts, plan: ModelPlan, mcfg: ModelConfig, sizes: ParallelSizes
+) -> ContextPlan:
+    """Check that ``model`` can run context parallel with the ``model`` block ``mcfg`` (when ``cp > 1``)."""
+    key = "parallel." + ("ulysses_parallel_size" if sizes.ulysses > 1 else "ring_attention_size")
+    loss_type = mcfg.loss_cfg.loss_type
+    if plan.context_parallel is not None:
         if loss_type != "raw":
             raise ConfigError(
-                f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 the model "
-                f"{cfg.model.model_id!r} splits its own sequence and computes its own loss; use raw"
+                f"model.loss_cfg.loss_type: got {loss_type!r}; with {key} > 1 the model "
+                f"{mcfg.model_id!r} splits its own sequence and computes its own loss; use raw"
             )
-        return
+        return ContextPlan(key, None, None, False)
     if loss_type not in ("per_token_loss", "default"):  # "default" is per_token_loss
         raise ConfigError(
-            f"model.loss_cfg.loss_type: got {loss_type!r}; with parallel.{key} > 1 each rank holds part of "
+            f"model.loss_cfg.loss_type: got {loss_type!r}; with {key} > 1 each rank holds part of "
             "every sequence, so neither the model's own .loss (raw) nor a per-sample mean (per_sample_loss) "
             "can be formed on one rank; use per_token_loss"
         )
-    config = getattr(model, "config", None)
-    set_attn_implementation = getattr(model, "set_attn_implementation", None)
-    if not callable(set_attn_implementation) or config is None:
+    if not callable(getattr(model, "set_attn_implementation", None)) or facts.text_config is None:
         raise ConfigError(
-            f"parallel.{key}: model {cfg.model.model_id!r} ({type(model).__name__}) is not a transformers "
+            f"{key}: model {mcfg.model_id!r} ({type(model).__name__}) is not a transformers "
             "model using AttentionInterface, which context parallelism plugs into"
         )
-    towers = [name for name in getattr(config, "sub_configs", {}) if name != "text_config"]
-    text = getattr(config, "text_config", None) or config
-    kinds = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]) - {"full_attention"})
-    split_at = plan_of(model).cp_split_module
+    towers, kinds = list(facts.towers), list(facts.other_layer_types)
+    split_at = plan.cp_split_module
     if (towers and not split_at) or kinds:
         what = f"layers of type {kinds}" if kinds else f"sub-models {towers}"
         raise ConfigError(
-            f"parallel.{key}: model {cfg.model.model_id!r} has {what}; context parallelism supports "
+            f"{key}: model {mcfg.model_id!r} has {what}; context parallelism supports "
             "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe), with other towers "
             "only when the model's plan names where to split the sequence (ModelPlan.cp_split_module, "
             "formerly the class attribute mm_context_parallel_module; e.g. qwen3_vl)"
         )
-    heads = getattr(text, "num_attention_heads", None)
-    if sizes.ulysses > 1 and heads is not None and heads % sizes.ulysses:
+    heads = facts.num_heads
+    if sizes.ulysses > 1 and heads and heads % sizes.ulysses:
         raise ConfigError(
             f"parallel.ulysses_parallel_size: got {sizes.ulysses}; it must divide the model's "
             f"num_attention_heads {heads}"
         )
-    if towers:  # only the language model: the towers keep their attention over their own inputs
+    return ContextPlan(key, ATTENTION_NAME, split_at if towers else None, bool(towers))
+
+
+def use_context_parallel_attention(model: nn.Module, cp: ContextPlan, facts: ModelFacts) -> None:
+    """Switch ``model`` to mm's context-parallel attention as ``cp`` plans (nothing for a model that splits
+    its own sequence), and check that it took it."""
+    if cp.attention is None:
+        return
+    set_attn_implementation: Any = model.set_attn_implementation
+    if cp.text_only:  # only the language model: the towers keep their attention over their own inputs
         set_attn_implementation({"text_config": register_attention()})
     else:
         set_attn_implementation(register_attention())
-    if getattr(text, "_attn_implementation", None) != ATTENTION_NAME:
+    if getattr(facts.text_config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ConfigError(
-            f"parallel.{key}: {type(model).__name__} did not accept the attention implementation "
+            f"{cp.key}: {type(model).__name__} did not accept the attention implementation "
             f"{ATTENTION_NAME!r} (it does not dispatch attention through transformers' AttentionInterface)"
         )
 
@@ -217,20 +246,25 @@ class ContextParallel:
         self.split_module = split_module
 
     @classmethod
-    def build(cls, model: nn.Module, cfg: MMConfig, state: ParallelState) -> ContextParallel | None:
-        """Switch ``model`` to the context-parallel attention when ``cp > 1``; None otherwise, and for a model
-        that splits its own sequence (``ModelPlan.context_parallel``: it is handed the context-parallel
-        mesh)."""
-        if state.sizes.cp == 1:
+    def build(
+        cls,
+        model: nn.Module,
+        cp: ContextPlan | None,
+        plan: ModelPlan,
+        facts: ModelFacts,
+        state: ParallelState,
+    ) -> ContextParallel | None:
+        """Switch ``model`` to the context-parallel attention as ``cp`` plans; None without context
+        parallelism, and for a model that splits its own sequence (``ModelPlan.context_parallel``: it is
+        handed the context-parallel mesh)."""
+        if cp is None:
             return None
-        use_context_parallel_attention(model, cfg, state.sizes)
-        plan = plan_of(model)
+        use_context_parallel_attention(model, cp, facts)
         if plan.context_parallel is not None:  # the model splits its own sequence: mm passes the whole batch
             plan.context_parallel(model, state.cp_mesh)
             return None
-        path = plan.cp_split_module
-        towers = [name for name in getattr(model.config, "sub_configs", {}) if name != "text_config"]
-        if not towers or not path:
+        path = cp.split_module
+        if not path:
             return cls(state)
         try:
             split_module = model.get_submodule(path)

@@ -31,13 +31,13 @@ blocks are subtracted from device memory).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
-from mm_core.config.schema import MMConfig
-from mm_core.parallel.memory import chunked_loss_plan
+from mm_core.models.facts import ModelFacts
+from mm_core.parallel.plan import BuildPlan
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -63,35 +63,16 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-def _tokens_per_micro_batch(cfg: MMConfig) -> int:
-    """The padded tokens of one micro-batch: the token budget when set, else micro_batch_size x the
-    configured length."""
-    budget = cfg.data.dataloader_param.max_tokens_per_batch
-    if budget is not None:
-        return int(budget)
-    basic = cfg.data.dataset_param.basic_parameters
-    seq = basic.get("seq_len") or basic.get("cutoff_len") or 0
-    return cfg.training.micro_batch_size * int(seq)
-
-
-def _layer_activation_bytes(config, tokens: int, itemsize: int, qk_norm: bool) -> tuple[float, float, float]:
+def _layer_activation_bytes(
+    facts: ModelFacts, tokens: int, itemsize: int, qk_norm: bool
+) -> tuple[float, float, float]:
     """Per micro-batch: (bytes one decoder layer saves, its input, what selective recompute keeps)."""
-    h, i = config.hidden_size, config.intermediate_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim
+    h, i = facts.hidden_size, facts.intermediate_size
+    heads = facts.num_heads
+    q, kv = heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
     per_token = 6 * h + (4 if qk_norm else 2) * (q + kv) + 4 * i
     kept_selective = tokens * (q * itemsize + heads * 4)  # attention output + fp32 log-sum-exp
     return tokens * per_token * itemsize, tokens * h * itemsize, kept_selective
-
-
-def _text_config(model: nn.Module) -> Any:
-    """The decoder's configuration: the text config of a model with towers (vision, audio), else the
-    model's own."""
-    config: Any = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        return config.get_text_config()
-    return config
 
 
 def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
@@ -109,47 +90,45 @@ def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
 
 
 def estimate_activations(
-    model: nn.Module, cfg: MMConfig, recompute: list[str], offload: list[str], device_type: str = "cpu"
+    model: nn.Module, plan: BuildPlan, tokens: int, device_type: str = "cpu"
 ) -> tuple[float, float]:
-    """(saved activations, backward-start transient) in bytes for one micro-batch, or (0, 0) when the model
-    is not a decoder this estimate understands. For a model with towers (vision, audio) this is its
-    language model's: the towers' activations depend on the images and clips of the batch (not included)."""
-    config = _text_config(model)
-    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-    tokens = _tokens_per_micro_batch(cfg)
-    if config is None or not all(hasattr(config, k) for k in needed) or not tokens:
+    """(saved activations, backward-start transient) in bytes for one micro-batch of ``tokens`` (padded),
+    or (0, 0) when the model is not a decoder this estimate understands. For a model with towers (vision,
+    audio) this is its language model's: the towers' activations depend on the images and clips of the
+    batch (not included)."""
+    facts = plan.facts
+    known = (facts.hidden_size, facts.intermediate_size, facts.num_heads, facts.num_layers, facts.vocab_size)
+    if not all(known) or not tokens:
         return 0.0, 0.0
     from mm_core.parallel.apply import to_dtype
 
-    itemsize = to_dtype(cfg.parallel.fsdp_plan.param_dtype).itemsize
+    itemsize = to_dtype(plan.mixed_precision.param_dtype).itemsize
     qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
-    layer, layer_input, selective = _layer_activation_bytes(config, tokens, itemsize, qk_norm)
-    n_layers = config.num_hidden_layers
+    layer, layer_input, selective = _layer_activation_bytes(facts, tokens, itemsize, qk_norm)
+    n_layers = facts.num_layers
     layers = _decoder_layers(model, n_layers)
 
-    def in_decoder(names: list[str]) -> int:
+    def in_decoder(names: Sequence[str]) -> int:
         return sum(1 for n in names if _LAYER.search(n) and (layers is None or n.startswith(layers + ".")))
 
-    n_recomputed = in_decoder(recompute)
-    n_offloaded = in_decoder(offload) if device_type != "cpu" else 0
-    kept_recomputed = layer_input + (
-        selective if cfg.model.recompute_plan.recompute_granularity == "selective" else 0
-    )
+    n_recomputed = in_decoder(plan.memory.recompute)
+    n_offloaded = in_decoder(plan.memory.offload) if device_type != "cpu" else 0
+    kept_recomputed = layer_input + (selective if plan.memory.recompute_mode == "selective" else 0)
     acts = (n_layers - n_recomputed - n_offloaded) * layer + n_recomputed * kept_recomputed
-    acts += 3 * tokens * config.hidden_size * itemsize
+    acts += 3 * tokens * facts.hidden_size * itemsize
     layer_grads = layer * (2 if n_recomputed else 1)
-    vocab = config.vocab_size
-    if chunked_loss_plan(model, cfg)[0] is None:
+    vocab = facts.vocab_size
+    if plan.chunked.path is None:
         acts += tokens * vocab * 4
         return float(acts), float(2 * tokens * vocab * 4 + layer_grads)
     # chunked: the head's weight gradient is kept from the forward instead of the log-probabilities; while
     # the forward runs, one chunk of fp32 logits (and, for low-precision weights, its cast and the fp32 sum
     # of the weight gradient with one chunk's product)
-    acts += vocab * config.hidden_size * itemsize
-    chunk = min(cfg.model.loss_cfg.loss_chunk_size, tokens)
+    acts += vocab * facts.hidden_size * itemsize
+    chunk = min(plan.chunked.chunk_size, tokens)
     head_pass = chunk * vocab * 4
     if itemsize < 4:
-        head_pass += chunk * vocab * itemsize + vocab * config.hidden_size * (4 + itemsize)
+        head_pass += chunk * vocab * itemsize + vocab * facts.hidden_size * (4 + itemsize)
     return float(acts), float(max(head_pass, layer_grads))
 
 
@@ -191,30 +170,23 @@ def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments
 
 
 def estimate_breakdown(
-    model: nn.Module,
-    cfg: MMConfig,
-    fsdp_size: int,
-    unit_names: list[str],
-    recompute: list[str],
-    offload: list[str],
-    device_type: str = "cpu",
+    model: nn.Module, plan: BuildPlan, tokens: int, moments: float, device_type: str = "cpu"
 ) -> MemoryBreakdown:
-    """Per-rank bytes for a model built on meta, the resolved FSDP units and memory features."""
+    """Per-rank bytes for a model built on meta and its build plan; ``tokens``: the padded tokens of one
+    micro-batch, ``moments``: the optimizer's states per trainable parameter (AdamW 2, Muon 1)."""
     from mm_core.parallel.apply import to_dtype
 
-    plan = cfg.parallel.fsdp_plan
+    fsdp_size = plan.sizes.fsdp
     total, trainable = _numel(model), _numel(model, trainable_only=True)
-    param_bytes = to_dtype(plan.param_dtype).itemsize
-    grad_bytes = to_dtype(plan.reduce_dtype).itemsize
+    param_bytes = to_dtype(plan.mixed_precision.param_dtype).itemsize
+    grad_bytes = to_dtype(plan.mixed_precision.reduce_dtype).itemsize
     modules = dict(model.named_modules())
-    unit_sizes = [_numel(modules[n]) for n in unit_names if n]
+    unit_sizes = [_numel(modules[n]) for n in plan.unit_names if n]
     root = total - sum(unit_sizes)
     biggest = max(unit_sizes, default=0)
-    from mm_core.optim.factory import optimizer_plugin
-
-    moments = optimizer_plugin(cfg.training.optimizer).states_per_param
-    gathered = root * param_bytes + (1 + plan.num_to_forward_prefetch) * biggest * param_bytes
-    acts, transient = estimate_activations(model, cfg, recompute, offload, device_type)
+    ahead = plan.settings.parallel.fsdp_plan.num_to_forward_prefetch
+    gathered = root * param_bytes + (1 + ahead) * biggest * param_bytes
+    acts, transient = estimate_activations(model, plan, tokens, device_type)
     return MemoryBreakdown(
         params=4 * total / fsdp_size,
         grads=4 * trainable / fsdp_size + biggest * grad_bytes,
@@ -223,21 +195,3 @@ def estimate_breakdown(
         activations=acts,
         transient=transient,
     )
-
-
-def estimate_for_config(cfg: MMConfig, world_size: int, device_type: str = "cpu") -> MemoryBreakdown:
-    """Build the model on meta, resolve the plans for ``world_size`` ranks and estimate (no training)."""
-    from mm_core.models.hub import ModelHub
-    from mm_core.parallel.apply import apply_freeze, fsdp_patterns, resolve_patterns
-    from mm_core.parallel.memory import plan_memory_features
-    from mm_core.parallel.state import resolve_sizes
-    from mm_core.registry import import_plugins
-
-    import_plugins(cfg.training.plugin)
-    sizes = resolve_sizes(cfg.parallel, world_size)
-    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
-    apply_freeze(model, cfg.model.freeze)
-    patterns, source = fsdp_patterns(model, cfg)
-    units = sorted({n for hits in resolve_patterns(model, patterns, source).values() for n in hits})
-    feats = plan_memory_features(model, cfg)
-    return estimate_breakdown(model, cfg, sizes.fsdp, units, feats.recompute, feats.offload, device_type)

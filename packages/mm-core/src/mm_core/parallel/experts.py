@@ -18,39 +18,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mm_core.config.schema import LossConfig, MMConfig
+from mm_core.config.schema import EPPlan, LossConfig, ParallelConfig
 from mm_core.errors import ConfigError
-from mm_core.models.plan import plan_of
+from mm_core.models.facts import text_config_of
+from mm_core.models.plan import ModelPlan
+from mm_core.parallel.matching import ModuleMatches
 from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_experts, swap_experts
-from mm_parallel.patterns import PatternError, match_modules
 
 KEY = "parallel.ep_plan.apply_modules"
 EFSDP_KEY = "parallel.ep_plan.apply_efsdp_modules"
 
 
-def _matched_names(model: nn.Module, patterns: list[str], key: str) -> set[str]:
-    """Names of the modules ``patterns`` match; a pattern error names ``key``."""
-    try:
-        matched = match_modules(model, patterns)
-    except PatternError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    return {n for hits in matched.values() for n in hits}
-
-
-def ep_patterns(model: nn.Module, cfg: MMConfig) -> tuple[list[str], str]:
-    """The expert module patterns and where they came from (the YAML, or the model's default plan)."""
-    if cfg.parallel.ep_plan.apply_modules:
-        return list(cfg.parallel.ep_plan.apply_modules), KEY
-    return list(plan_of(model).expert_modules), f"default ep plan of {type(model).__name__}"
-
-
-def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tuple[list[str], str]:
-    """Names of the modules that become expert-parallel (empty when EP is off), checked against ``sizes``."""
-    patterns, source = ep_patterns(model, cfg)
+def expert_modules(
+    model: nn.Module, parallel: ParallelConfig, plan: ModelPlan, sizes: ParallelSizes, match: ModuleMatches
+) -> tuple[list[str], str]:
+    """Names of the modules that become expert-parallel (empty when EP is off), checked against ``sizes``,
+    and where their patterns came from (``parallel.ep_plan.apply_modules``, or the model's default plan)."""
+    ep_plan = parallel.ep_plan
+    if ep_plan.apply_modules:
+        patterns, source = list(ep_plan.apply_modules), KEY
+    else:
+        patterns, source = list(plan.expert_modules), f"default ep plan of {type(model).__name__}"
     ep = sizes.ep
-    if ep == 1 and not cfg.parallel.ep_plan.apply_modules:
-        check_efsdp_modules(model, cfg, [], ep)
+    if ep == 1 and not ep_plan.apply_modules:
+        check_efsdp_modules(ep_plan, [], ep, match)
         return [], source
     if not patterns:
         raise ConfigError(
@@ -58,14 +50,13 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
             f"plan (ModelPlan.expert_modules), so set {KEY} to its fused experts modules "
             "(e.g. model.layers.{*}.mlp.experts)"
         )
-    wanted = _matched_names(model, patterns, source)
-    modules = dict(model.named_modules())
-    names = [n for n in modules if n in wanted]
+    names = list(match.select(patterns, source))
     for name in names:
-        w = getattr(modules[name], "gate_up_proj", None)
-        if not isinstance(w, torch.Tensor) or w.ndim != 3 or not hasattr(modules[name], "down_proj"):
+        module = model.get_submodule(name)
+        w = getattr(module, "gate_up_proj", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 3 or not hasattr(module, "down_proj"):
             raise ConfigError(
-                f"{source}: {name} ({type(modules[name]).__name__}) is not a fused experts module with 3-D "
+                f"{source}: {name} ({type(module).__name__}) is not a fused experts module with 3-D "
                 "gate_up_proj [experts, 2*inter, hidden] and down_proj weights; match the experts module "
                 "itself (e.g. model.layers.{*}.mlp.experts), not its parent block"
             )
@@ -74,17 +65,17 @@ def expert_modules(model: nn.Module, cfg: MMConfig, sizes: ParallelSizes) -> tup
                 f"parallel.expert_parallel_size: got {ep}; {name} has {w.shape[0]} experts, which must split "
                 f"evenly (accepted: divisors of {w.shape[0]} that divide {sizes.fsdp})"
             )
-    check_efsdp_modules(model, cfg, names, ep)
+    check_efsdp_modules(ep_plan, names, ep, match)
     return names, source
 
 
-def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str], ep: int) -> None:
+def check_efsdp_modules(ep_plan: EPPlan, names: list[str], ep: int, match: ModuleMatches) -> None:
     """``parallel.ep_plan.apply_efsdp_modules`` names the expert modules that are FSDP2-sharded over the
     expert-data-parallel mesh (``efsdp``). In mm that is every expert-parallel module (the default when the
     key is empty), so the key is accepted when it matches exactly the expert-parallel modules: an expert
     module left out would hold its weights replicated over ``efsdp`` with no FSDP unit to reduce their
     gradients, and a module outside the expert set has no ``efsdp`` mesh to be sharded over."""
-    patterns = cfg.parallel.ep_plan.apply_efsdp_modules
+    patterns = ep_plan.apply_efsdp_modules
     if not patterns:
         return
     if not names or ep == 1:
@@ -92,7 +83,7 @@ def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str], ep: i
             f"{EFSDP_KEY}: got {patterns}, but expert parallelism is off (parallel.expert_parallel_size: "
             "1), so there is no expert-data-parallel mesh; remove the key or set expert_parallel_size"
         )
-    wanted = _matched_names(model, patterns, EFSDP_KEY)
+    wanted = set(match.select(list(patterns), EFSDP_KEY))
     outside = sorted(wanted - set(names))
     if outside:
         raise ConfigError(
@@ -111,11 +102,16 @@ def check_efsdp_modules(model: nn.Module, cfg: MMConfig, names: list[str], ep: i
 
 
 def apply_expert_parallel(
-    model: nn.Module, cfg: MMConfig, state: ParallelState, **fully_shard_kwargs: Any
+    model: nn.Module,
+    names: Sequence[str],
+    plan: ModelPlan,
+    dispatcher: str,
+    state: ParallelState,
+    **fully_shard_kwargs: Any,
 ) -> list[str]:
-    """Swap the expert modules for the expert-parallel adapter and, with ``ep > 1``, FSDP2-shard them over
-    the expert mesh. Call before the other FSDP units are wrapped. Returns the adapted module names."""
-    names, _ = expert_modules(model, cfg, state.sizes)
+    """Swap the expert modules ``names`` for the expert-parallel adapter (``plan.expert_adapter``) and, with
+    ``ep > 1``, FSDP2-shard them over the expert mesh. Call before the other FSDP units are wrapped. Returns
+    the adapted module names."""
     if not names:
         return []
     sizes = state.sizes
@@ -123,14 +119,14 @@ def apply_expert_parallel(
     if sizes.ep > 1 and mesh is None:
         raise ValueError("expert parallelism (ep > 1) needs ParallelState.expert_mesh")
     ep_mesh = mesh["ep"] if mesh is not None and sizes.ep > 1 else None
-    adapter = plan_of(model).expert_adapter or ExpertParallelExperts
-    swapped = swap_experts(model, names, ep_mesh, adapter=adapter, dispatcher=cfg.parallel.ep_plan.dispatcher)
+    adapter = plan.expert_adapter or ExpertParallelExperts
+    swapped = swap_experts(model, list(names), ep_mesh, adapter=adapter, dispatcher=dispatcher)
     if mesh is not None and sizes.ep > 1:
         fsdp_mesh = mesh["dp_replicate", "efsdp"] if sizes.dp_replicate > 1 else mesh["efsdp"]
         # the loss is scaled for an average over every rank (see Trainer.train_step): divide expert
         # gradients by the same number, although FSDP reduces them over only world / ep ranks
         shard_experts(list(swapped.values()), fsdp_mesh, sizes.world_size, **fully_shard_kwargs)
-    return names
+    return list(names)
 
 
 def expert_layout(model: nn.Module, names: Sequence[str], sizes: ParallelSizes) -> list[str]:
@@ -180,10 +176,8 @@ class RouterAux:
 def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
     """The router loss of a model whose config (or its ``text_config``) has ``num_experts`` and
     ``num_experts_per_tok``, else None."""
-    config = getattr(model, "config", None)
     # a vision-language model keeps its language model's settings in its text config
-    get_text_config = getattr(config, "get_text_config", None)
-    text = get_text_config() if callable(get_text_config) else config
+    text = text_config_of(model)
     num_experts = getattr(text, "num_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
     coef = loss_cfg.router_aux_loss_coef

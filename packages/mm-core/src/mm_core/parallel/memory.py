@@ -9,52 +9,47 @@ prefetch is wired after it, from the order the FSDP units really run in during t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-from mm_core.config.schema import MMConfig
+from mm_core.config.schema import FSDPPlan, LossConfig, ModelConfig
 from mm_core.errors import ConfigError
-from mm_core.models.plan import plan_of
+from mm_core.models.plan import ModelPlan
+from mm_core.parallel.matching import ModuleMatches
 from mm_core.train.loss import IGNORE_INDEX
 from mm_parallel.memory import ActivationOffloader, ExecutionOrderPrefetch, apply_recompute, resolve_ops
 from mm_parallel.memory.chunked_loss import ChunkedLossHead
-from mm_parallel.patterns import PatternError, match_modules
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryFeatures:
-    """What was applied, for ``mm check`` and the logs."""
+    """``model.recompute_plan`` and ``model.activation_offload_plan`` resolved: the modules and settings."""
 
-    recompute: list[str] = field(default_factory=list)
+    recompute: tuple[str, ...] = ()
     recompute_mode: str = "off"
-    offload: list[str] = field(default_factory=list)
-    offloader: ActivationOffloader | None = None
-    prefetch: ExecutionOrderPrefetch | None = None
+    #: ops whose outputs selective recompute keeps (empty for full recompute)
+    save_ops: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    offload_min_bytes: int = 0
+    offload_prefetch: bool = True
 
 
-def _matched(model: nn.Module, patterns: list[str], key: str) -> list[tuple[str, nn.Module]]:
-    try:
-        hits = match_modules(model, patterns)
-    except PatternError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    wanted = {n for names in hits.values() for n in names}
-    return [(n, m) for n, m in model.named_modules() if n in wanted]
-
-
-def _plan_modules(model: nn.Module, patterns: list[str], key: str, what: str) -> list[tuple[str, nn.Module]]:
+def _plan_modules(
+    match: ModuleMatches, patterns: Sequence[str], key: str, what: str, plan: ModelPlan, owner: str
+) -> tuple[str, ...]:
     """The YAML patterns, or the model's default recompute plan (block granularity) when empty."""
     source = key
     if not patterns:
-        patterns = list(plan_of(model).recompute_units)
-        source = f"{key} (empty; default plan of {type(model).__name__})"
+        patterns = list(plan.recompute_units)
+        source = f"{key} (empty; default plan of {owner})"
         if not patterns:
             raise ConfigError(
-                f"{key}: empty, and {type(model).__name__} declares no default plan "
+                f"{key}: empty, and {owner} declares no default plan "
                 f"(ModelPlan.recompute_units); list the modules to {what}, e.g. [model.layers.{{*}}]"
             )
-    return _matched(model, list(patterns), source)
+    return match.select(list(patterns), source)
 
 
 def _overlap(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
@@ -65,75 +60,75 @@ def _overlap(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-def plan_memory_features(model: nn.Module, cfg: MMConfig) -> MemoryFeatures:
-    """Resolve and validate the recompute and offload plans without touching the model."""
-    mcfg = cfg.model
-    out = MemoryFeatures()
+def plan_memory_features(
+    mcfg: ModelConfig, plan: ModelPlan, owner: str, match: ModuleMatches
+) -> MemoryFeatures:
+    """Resolve and validate the recompute and offload plans of the ``model`` block (``owner``: the model
+    class's name, ``plan``: its default plan)."""
+    recompute: tuple[str, ...] = ()
+    mode = "off"
+    save_ops: tuple[str, ...] = ()
     if mcfg.recompute:
-        plan = mcfg.recompute_plan
-        if plan.use_reentrant:
+        rplan = mcfg.recompute_plan
+        if rplan.use_reentrant:
             raise ConfigError(
                 "model.recompute_plan.use_reentrant: got true; mm checkpoints with the non-reentrant "
                 "implementation (the one that composes with FSDP2); set it to false"
             )
-        if plan.recompute_granularity == "selective":
+        if rplan.recompute_granularity == "selective":
             try:
-                resolve_ops(plan.save_ops)
+                resolve_ops(rplan.save_ops)
             except ValueError as exc:
                 raise ConfigError(f"model.recompute_plan.save_ops: {exc}") from None
-            if not plan.save_ops:
+            if not rplan.save_ops:
                 raise ConfigError(
                     "model.recompute_plan.save_ops: empty with recompute_granularity: selective; list the "
                     "ops whose outputs to keep (e.g. [attention]) or use recompute_granularity: full"
                 )
-        mods = _plan_modules(model, plan.apply_modules, "model.recompute_plan.apply_modules", "recompute")
-        out.recompute = [n for n, _ in mods]
-        out.recompute_mode = plan.recompute_granularity
+            save_ops = tuple(rplan.save_ops)
+        key = "model.recompute_plan.apply_modules"
+        recompute = _plan_modules(match, rplan.apply_modules, key, "recompute", plan, owner)
+        mode = rplan.recompute_granularity
+    offload: tuple[str, ...] = ()
+    oplan = mcfg.activation_offload_plan
     if mcfg.activation_offload:
-        mods = _plan_modules(
-            model,
-            mcfg.activation_offload_plan.apply_modules,
-            "model.activation_offload_plan.apply_modules",
-            "offload",
-        )
-        out.offload = [n for n, _ in mods]
-        clash = _overlap(out.recompute, out.offload)
+        key = "model.activation_offload_plan.apply_modules"
+        offload = _plan_modules(match, oplan.apply_modules, key, "offload", plan, owner)
+        clash = _overlap(recompute, offload)
         if clash:
             raise ConfigError(
                 f"model.activation_offload_plan.apply_modules: {clash[1] or '(root)'} is also recomputed "
                 f"(model.recompute_plan matched {clash[0] or '(root)'}); a module's activations are either "
                 "recomputed or offloaded; give the two plans different modules"
             )
-    return out
+    return MemoryFeatures(recompute, mode, save_ops, offload, oplan.min_offload_bytes, oplan.prefetch)
 
 
 def apply_memory_features(
-    model: nn.Module, cfg: MMConfig, device_type: str, *, compiled: Collection[str] = ()
-) -> MemoryFeatures:
+    model: nn.Module, feats: MemoryFeatures, device_type: str, *, compiled: Collection[str] = ()
+) -> ActivationOffloader | None:
     """Recompute and activation offload on the planned modules; call before ``fully_shard``. The modules
     in ``compiled`` are recomputed by a checkpoint inside their compiled forward (``training.compile``), not
-    here."""
-    feats = plan_memory_features(model, cfg)
+    here. Returns the activation offloader (None without offload)."""
     modules = dict(model.named_modules())
     if feats.recompute:
-        plan = cfg.model.recompute_plan
-        save_ops = resolve_ops(plan.save_ops) if plan.recompute_granularity == "selective" else None
+        save_ops = resolve_ops(list(feats.save_ops)) if feats.recompute_mode == "selective" else None
         hooked = [modules[n] for n in feats.recompute if n not in compiled]
         apply_recompute(hooked, save_ops=save_ops)
-    if feats.offload:
-        oplan = cfg.model.activation_offload_plan
-        feats.offloader = ActivationOffloader(
-            device_type, min_bytes=oplan.min_offload_bytes, prefetch=oplan.prefetch
-        )
-        feats.offloader.attach((n, modules[n]) for n in feats.offload)
-    return feats
+    if not feats.offload:
+        return None
+    offloader = ActivationOffloader(
+        device_type, min_bytes=feats.offload_min_bytes, prefetch=feats.offload_prefetch
+    )
+    offloader.attach((n, modules[n]) for n in feats.offload)
+    return offloader
 
 
-def hook_groups(model: nn.Module, patterns: list[str], unit_names: Sequence[str]) -> dict[str, str]:
+def hook_groups(match: ModuleMatches, patterns: list[str], unit_names: Sequence[str]) -> dict[str, str]:
     """``parallel.fsdp_plan.hook_modules``: each FSDP unit inside (or equal to) a matched module, mapped to
     that module's name. Every hook module must hold at least one unit, and hook modules must not nest."""
     key = "parallel.fsdp_plan.hook_modules"
-    hooks = [n for n, _ in _matched(model, patterns, key)]
+    hooks = list(match.select(patterns, key))
     nested = _overlap_within(hooks)
     if nested:
         raise ConfigError(f"{key}: {nested[1]} is inside {nested[0]}; hook modules must not nest")
@@ -157,13 +152,29 @@ def _overlap_within(names: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-def apply_prefetch(
-    model: nn.Module, cfg: MMConfig, units: Sequence[tuple[str, nn.Module]]
-) -> ExecutionOrderPrefetch | None:
-    """FSDP2 prefetch by hook group (``hook_modules``), ``num_to_forward_prefetch`` /
-    ``num_to_backward_prefetch`` groups ahead, and ``pregather``, in the order the units run (recorded in the
-    first forward); call after ``fully_shard`` with every unit, expert units included."""
-    plan = cfg.parallel.fsdp_plan
+@dataclass(frozen=True)
+class GatherPlan:
+    """The FSDP gathering plan: ``parallel.fsdp_plan.hook_modules`` (unit -> hook group),
+    ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` and ``pregather``."""
+
+    groups: Mapping[str, str]
+    num_forward: int
+    num_backward: int
+    pregather: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "key": "parallel.fsdp_plan",
+            "hook_groups": dict(self.groups),
+            "num_to_forward_prefetch": self.num_forward,
+            "num_to_backward_prefetch": self.num_backward,
+            "pregather": self.pregather,
+        }
+
+
+def plan_gather(plan: FSDPPlan, unit_names: Sequence[str], match: ModuleMatches) -> GatherPlan | None:
+    """The gathering plan over the FSDP units ``unit_names`` (expert units included, the root left out);
+    None when the YAML asks for no prefetch, hook groups or pregather."""
     wanted = {
         "num_to_forward_prefetch/num_to_backward_prefetch": bool(
             plan.num_to_forward_prefetch or plan.num_to_backward_prefetch
@@ -173,27 +184,39 @@ def apply_prefetch(
     }
     if not any(wanted.values()):
         return None
-    units = [(n, m) for n, m in units if m is not model]
+    units = [n for n in unit_names if n]
     if not units and (wanted["hook_modules"] or wanted["num_to_forward_prefetch/num_to_backward_prefetch"]):
         keys = [k for k, on in wanted.items() if on and k != "pregather"]
         raise ConfigError(
             f"parallel.fsdp_plan.{keys[0]}: the FSDP plan has no units besides the root, so there is nothing "
             "to gather ahead; add parallel.fsdp_plan.apply_modules"
         )
-    groups = hook_groups(model, list(plan.hook_modules), [n for n, _ in units]) if plan.hook_modules else {}
+    groups = hook_groups(match, list(plan.hook_modules), units) if plan.hook_modules else {}
+    return GatherPlan(groups, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch, plan.pregather)
+
+
+def apply_prefetch(
+    model: nn.Module, gather: GatherPlan | None, units: Sequence[tuple[str, nn.Module]]
+) -> ExecutionOrderPrefetch | None:
+    """FSDP2 prefetch by hook group, ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` groups ahead,
+    and ``pregather``, in the order the units run (recorded in the first forward); call after
+    ``fully_shard`` with every unit, expert units included."""
+    if gather is None:
+        return None
     return ExecutionOrderPrefetch(
         model,
-        units,
-        num_forward=plan.num_to_forward_prefetch,
-        num_backward=plan.num_to_backward_prefetch,
-        groups=groups,
+        [(n, m) for n, m in units if m is not model],
+        num_forward=gather.num_forward,
+        num_backward=gather.num_backward,
+        groups=dict(gather.groups),
     )
 
 
-def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
-    """Lines for ``mm check``: which modules each memory feature applies to."""
+def describe_features(feats: MemoryFeatures, plan: FSDPPlan) -> list[str]:
+    """Lines for ``mm check``: which modules each memory feature applies to (``plan``: the YAML's
+    ``parallel.fsdp_plan``)."""
 
-    def shown(names: list[str]) -> str:
+    def shown(names: Sequence[str]) -> str:
         return ", ".join(n or "(root)" for n in names[:3]) + (
             f", ... ({len(names)} modules)" if len(names) > 3 else ""
         )
@@ -202,11 +225,10 @@ def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
     if feats.recompute:
         extra = ""
         if feats.recompute_mode == "selective":
-            extra = f", keeping the outputs of {', '.join(cfg.model.recompute_plan.save_ops)}"
+            extra = f", keeping the outputs of {', '.join(feats.save_ops)}"
         lines.append(f"recompute   : {feats.recompute_mode}{extra} -> {shown(feats.recompute)}")
     if feats.offload:
         lines.append(f"act. offload: saved activations to host memory -> {shown(feats.offload)}")
-    plan = cfg.parallel.fsdp_plan
     what = "hook group(s)" if plan.hook_modules else "unit(s)"
     if plan.num_to_forward_prefetch or plan.num_to_backward_prefetch:
         lines.append(
@@ -228,18 +250,35 @@ def describe_features(feats: MemoryFeatures, cfg: MMConfig) -> list[str]:
     return lines
 
 
-def chunked_loss_plan(model: nn.Module, cfg: MMConfig) -> tuple[str | None, str]:
-    """Where the chunked loss goes (``model.loss_cfg.chunked_loss``): the path of the model's output head,
-    or None; and one line for the log saying so, or why not."""
-    loss = cfg.model.loss_cfg
+@dataclass(frozen=True)
+class ChunkedHead:
+    """``model.loss_cfg.chunked_loss``: the path of the output head that computes the loss in chunks (None:
+    the loss takes the full logits), the chunk size, and one line for the log saying so, or why not."""
+
+    path: str | None
+    note: str
+    chunk_size: int
+
+
+def chunked_loss_plan(
+    model: nn.Module, loss: LossConfig, plan: ModelPlan, *, enabled: bool = True
+) -> ChunkedHead:
+    """Where the chunked loss goes (``model.loss_cfg.chunked_loss``; ``plan``: the model's plan, naming its
+    output head). ``enabled=False``: another model of a task, which computes its own loss."""
+
+    def off(note: str) -> ChunkedHead:
+        return ChunkedHead(None, note, loss.loss_chunk_size)
+
     if loss.loss_type == "raw":
-        return None, "chunked loss off: loss_type raw trains on the model's own .loss"
+        return off("chunked loss off: loss_type raw trains on the model's own .loss")
+    if not enabled:
+        return off("chunked loss off: another model of the task computes its own loss from the full logits")
     if not loss.chunked_loss:
-        return None, "chunked loss off (model.loss_cfg.chunked_loss: false): the loss takes the full logits"
+        return off("chunked loss off (model.loss_cfg.chunked_loss: false): the loss takes the full logits")
     name = type(model).__name__
-    path = plan_of(model).output_head
+    path = plan.output_head
     if path is None:
-        return None, (
+        return off(
             f"chunked loss off: {name} names no output head (ModelPlan.output_head), so the loss takes the "
             "full logits"
         )
@@ -248,20 +287,22 @@ def chunked_loss_plan(model: nn.Module, cfg: MMConfig) -> tuple[str | None, str]
     except AttributeError:
         raise ConfigError(f"{name}: ModelPlan.output_head {path!r} is not a module of the model") from None
     if not isinstance(head, ChunkedLossHead) and type(head) is not nn.Linear:
-        return None, (
+        return off(
             f"chunked loss off: {path} is a {type(head).__name__} (e.g. a LoRA layer), not a plain "
             "nn.Linear; the loss takes the full logits"
         )
-    return path, (
+    return ChunkedHead(
+        path,
         f"chunked loss: {path} computes the loss {loss.loss_chunk_size} tokens at a time "
-        "(model.loss_cfg.chunked_loss; full-vocabulary logits are never formed)"
+        "(model.loss_cfg.chunked_loss; full-vocabulary logits are never formed)",
+        loss.loss_chunk_size,
     )
 
 
-def apply_chunked_loss(model: nn.Module, cfg: MMConfig) -> ChunkedLossHead | None:
+def apply_chunked_loss(model: nn.Module, chunked: ChunkedHead) -> ChunkedLossHead | None:
     """Swap the output head for a :class:`ChunkedLossHead` over its own parameters (before ``fully_shard``,
-    after LoRA injection); returns it, or None when :func:`chunked_loss_plan` says no."""
-    path, _ = chunked_loss_plan(model, cfg)
+    after LoRA injection); returns it, or None when the plan says no."""
+    path = chunked.path
     if path is None:
         return None
     head = model.get_submodule(path)
@@ -270,6 +311,6 @@ def apply_chunked_loss(model: nn.Module, cfg: MMConfig) -> ChunkedLossHead | Non
     assert isinstance(head, nn.Linear)  # chunked_loss_plan checked it
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    new = ChunkedLossHead.replacing(head, cfg.model.loss_cfg.loss_chunk_size, IGNORE_INDEX)
+    new = ChunkedLossHead.replacing(head, chunked.chunk_size, IGNORE_INDEX)
     setattr(parent, attr, new)
     return new

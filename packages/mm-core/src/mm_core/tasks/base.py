@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from mm_core.checkpoint import TrainProgress
-from mm_core.config.schema import MMConfig
+from mm_core.config.schema import MMConfig, ModelConfig
 from mm_core.errors import ConfigError
 from mm_core.parallel.state import ParallelState
 from mm_core.tasks.stats import read_on_host, sum_over_ranks
@@ -160,6 +160,9 @@ class TaskContext:
     progress: TrainProgress = field(default_factory=TrainProgress)
     #: set by mm's signal handler; a task reads it through :attr:`stop_requested`
     stop: StopRequest = field(default_factory=StopRequest)
+    #: what :func:`mm_core.tasks.build_model` resolved for each model (the lines ``mm check`` prints too),
+    #: logged by the trainer once the run is set up
+    build_log: list[str] = field(default_factory=list)
 
     @property
     def param(self) -> dict[str, Any]:
@@ -203,6 +206,13 @@ class Task(ABC):
 
     def __init__(self, ctx: TaskContext) -> None:
         self.ctx = ctx
+
+    @classmethod
+    def model_blocks(cls, cfg: MMConfig) -> dict[str, ModelConfig | None]:
+        """The models :meth:`build` builds with :func:`mm_core.tasks.build_model`, by name: None for the
+        YAML's ``model:`` (the main model), else the ``model:`` block of another model (read from ``cfg``,
+        e.g. ``training.task_param``). ``mm check`` checks each through the worker's build pipeline."""
+        return {MAIN: None}
 
     @abstractmethod
     def build(self) -> TaskParts:

@@ -17,54 +17,63 @@ from torch import nn
 
 from mm_core.config.schema import MMConfig, ModelConfig
 from mm_core.models.hub import ModelHub, has_weights
-from mm_core.parallel.apply import apply_freeze, check_initialised, materialize_meta, shard_model
-from mm_core.tasks.base import TaskContext
+from mm_core.parallel.apply import check_initialised, materialize_meta, prepare_model, shard_model
+from mm_core.parallel.plan import BuildPlan, BuildSettings, resolve_build
+from mm_core.parallel.state import ParallelSizes
+from mm_core.parallel.summary import describe_build, tokens_per_micro_batch
+from mm_core.tasks.base import MAIN, TaskContext
 
 
 @dataclass
 class BuiltModel:
-    """A sharded model and its gathering plan (FSDP hook groups, prefetch; None when the YAML asks for
-    none), whose ``pregather()`` may be called after each step (``parallel.fsdp_plan.pregather``)."""
+    """A sharded model, the build plan it was sharded by, and its gathering plan (FSDP hook groups,
+    prefetch; None when the YAML asks for none), whose ``pregather()`` may be called after each step
+    (``parallel.fsdp_plan.pregather``)."""
 
     model: nn.Module
     gather_plan: Any
+    plan: BuildPlan
 
 
-def config_for(ctx: TaskContext, model_cfg: ModelConfig | None) -> MMConfig:
-    """The run's config for building ``model_cfg`` (None: the YAML's ``model:``). Another model of a task
-    takes its FSDP units from its own plan (``parallel.fsdp_plan.apply_modules`` and ``ignored_modules``
-    name the main model's modules), computes its own loss (no chunked loss) and gets no LoRA adapters."""
-    cfg = ctx.cfg
-    if model_cfg is None:
-        return cfg
-    fsdp = cfg.parallel.fsdp_plan.model_copy(update={"apply_modules": [], "ignored_modules": []})
-    loss = model_cfg.loss_cfg.model_copy(update={"chunked_loss": False})
-    lora = cfg.training.lora.model_copy(update={"enable": False})
-    return cfg.model_copy(
-        update={
-            "model": model_cfg.model_copy(update={"loss_cfg": loss}),
-            "parallel": cfg.parallel.model_copy(update={"fsdp_plan": fsdp}),
-            "training": cfg.training.model_copy(update={"lora": lora}),
-        }
+def build_settings(cfg: MMConfig, model_cfg: ModelConfig | None = None) -> BuildSettings:
+    """The config parts the build of ``model_cfg`` reads (None: the YAML's ``model:``, the main model).
+    Another model of a task takes its FSDP units from its own plan (``parallel.fsdp_plan.apply_modules``
+    and ``ignored_modules`` name the main model's modules), computes its own loss (no chunked loss) and gets
+    no LoRA adapters."""
+    main = model_cfg is None
+    return BuildSettings(
+        cfg.parallel, cfg.model if model_cfg is None else model_cfg, cfg.training.compile, main
     )
+
+
+def prepare_and_plan(
+    model: nn.Module, cfg: MMConfig, settings: BuildSettings, sizes: ParallelSizes
+) -> BuildPlan:
+    """``model.freeze`` and LoRA (the main model only), then the build plan: the steps a worker takes before
+    sharding, which ``mm check`` takes too."""
+    lora = cfg.training.lora if settings.main else None
+    prepared = prepare_model(model, settings.model, lora, meta_init=cfg.training.init_model_with_meta_device)
+    return resolve_build(model, settings, sizes, prepared)
 
 
 def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> BuiltModel:
     """Build, freeze, shard and fill one model of the run (module docstring); ``model_cfg`` None builds the
     YAML's ``model:``."""
-    cfg = config_for(ctx, model_cfg)
-    mcfg = cfg.model
-    meta = cfg.training.init_model_with_meta_device
+    settings = build_settings(ctx.cfg, model_cfg)
+    mcfg = settings.model
+    meta = ctx.cfg.training.init_model_with_meta_device
     model = ModelHub.build(mcfg, meta=meta)
-    apply_freeze(model, mcfg.freeze)
+    plan = prepare_and_plan(model, ctx.cfg, settings, ctx.state.sizes)
     if not meta:
         model.to(ctx.device)
-    model, gather_plan = shard_model(model, cfg, ctx.state)
+    model, gather_plan = shard_model(model, plan, ctx.state)
     if meta:
         weights_from_load = ctx.load_path is not None
         path = mcfg.model_name_or_path
         hf_weights = bool(not mcfg.from_scratch and path and has_weights(path))
-        materialize_meta(model, ctx.device, init=not (weights_from_load or hf_weights))
+        materialize_meta(
+            model, ctx.device, init=not (weights_from_load or hf_weights), model_plan=plan.model_plan
+        )
         if hf_weights and not weights_from_load:
             from mm_core.convert import load_hf_weights
 
@@ -72,4 +81,16 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
             load_hf_weights(model, path)
             check_initialised(model)
     model.train()
-    return BuiltModel(model, gather_plan)
+    ctx.build_log.extend(build_lines(ctx.cfg, model, plan))
+    return BuiltModel(model, gather_plan, plan)
+
+
+def build_lines(cfg: MMConfig, model: nn.Module, plan: BuildPlan) -> list[str]:
+    """:func:`~mm_core.parallel.summary.describe_build` of one model of the run: named ``model`` (the main
+    one) or by its ``model_id``."""
+    from mm_core.optim.factory import optimizer_plugin
+
+    name = MAIN if plan.settings.main else plan.settings.model.model_id
+    tokens = tokens_per_micro_batch(cfg.data, cfg.training.micro_batch_size)
+    moments = optimizer_plugin(cfg.training.optimizer).states_per_param
+    return describe_build(name, model, plan, tokens, moments)

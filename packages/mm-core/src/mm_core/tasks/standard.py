@@ -28,7 +28,6 @@ from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
-from mm_core.parallel.memory import chunked_loss_plan
 from mm_core.tasks.base import MAIN, StepResult, Task, TaskParts
 from mm_core.tasks.building import build_model
 from mm_core.tasks.stats import read_on_host, sum_over_ranks
@@ -60,11 +59,11 @@ class StandardTask(Task):
                 f"training.task_param: the standard task takes no settings (got {sorted(tcfg.task_param)})"
             )
         built = build_model(self.ctx)
-        self.model, self.gather_plan = built.model, built.gather_plan
+        self.model, self.gather_plan, self.plan = built.model, built.gather_plan, built.plan
         self._model_name = type(self.model).__name__
         self._labels_withheld_ok = False
         self._plan_shown = False
-        head_path, chunked_note = chunked_loss_plan(self.model, cfg)
+        head_path, chunked_note = self.plan.chunked.path, self.plan.chunked.note
         loss_cfg = cfg.model.loss_cfg
         if loss_cfg.chunked_loss and loss_cfg.loss_type != "raw":
             self.setup_note = chunked_note
@@ -73,13 +72,15 @@ class StandardTask(Task):
         self._zero = torch.zeros((), dtype=torch.float64, device=state.device)
         self.toolkit = TaskToolkit(self.ctx, [self.model])
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
-        self.context = ContextParallel.build(self.model, cfg, state)  # None without context parallel
-        self.flops = StepFlops.of(self.model)
-        self.loss_parts = plan_of(self.model).loss_parts
+        plan = self.plan
+        # None without context parallel
+        self.context = ContextParallel.build(self.model, plan.context, plan.model_plan, plan.facts, state)
+        self.flops = StepFlops.of(self.model, plan)
+        self.loss_parts = plan.model_plan.loss_parts
         self._one = torch.ones((), dtype=torch.float64, device=state.device)
         dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
         self.float_dtype = None if dtype == torch.float32 else dtype
-        optimizer = build_optimizer(self.model, tcfg, plan_of(self.model))
+        optimizer = build_optimizer(self.model, tcfg, plan.model_plan)
         self.optimizer, self.clip_scale_only = optimizer.optimizer, optimizer.clip_scale_only
         self.scheduler = build_scheduler(self.optimizer, tcfg)
         return TaskParts({MAIN: self.model}, {MAIN: self.optimizer}, {MAIN: self.scheduler})

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from mm_core.models.facts import text_config_of
 from mm_core.models.plan import plan_of
 from mm_parallel.patterns import match_modules
+
+if TYPE_CHECKING:
+    from mm_core.parallel.plan import BuildPlan
 
 #: dense bf16/fp16 tensor-core peak TFLOP/s per device, by a substring of ``torch.cuda.get_device_name()``
 #: (vendor data sheets; SXM parts). Checked in order: the first substring found wins.
@@ -58,6 +62,11 @@ def peak_tflops(
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 
+def _matched(model: nn.Module, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """Every match of ``patterns`` (none is fine), pattern by pattern."""
+    return tuple(n for names in match_modules(model, patterns, allow_empty=True).values() for n in names)
+
+
 def _numel(module: nn.Module, *, matrices_only: bool = True) -> int:
     # DTensor.numel() is the global size, so a sharded model counts as the whole model
     return sum(p.numel() for p in module.parameters() if not matrices_only or p.dim() >= 2)
@@ -74,12 +83,17 @@ class StepFlops:
     vision_rows: int = 0  # rows that entered vision units during the current forward
 
     @classmethod
-    def of(cls, model: nn.Module) -> StepFlops:
-        """Count ``model`` (built, sharded or not) and hook its vision units."""
-        plan = plan_of(model)
-        config: Any = getattr(model, "config", None)
-        text_config: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
-        split = plan.cp_split_module
+    def of(cls, model: nn.Module, plan: BuildPlan | None = None) -> StepFlops:
+        """Count ``model`` (built, sharded or not) and hook its vision units. ``plan``: the model's build plan
+        (its model plan, facts and default-plan matches are read from it); None resolves them here."""
+        if plan is not None:
+            mplan, text_config = plan.model_plan, plan.facts.text_config
+            routed, units = plan.default_experts, plan.default_units
+        else:
+            mplan, text_config = plan_of(model), text_config_of(model)
+            routed = _matched(model, mplan.expert_modules)
+            units = _matched(model, mplan.fsdp_units)
+        split = mplan.cp_split_module
         try:
             language = model.get_submodule(split) if split else model
         except AttributeError:  # a plan naming no module: refused where the split is used (context parallel)
@@ -94,12 +108,8 @@ class StepFlops:
         if isinstance(head_w, torch.Tensor):
             counted[id(head_w)] = head_w.numel()  # the head, tied or not: a product per token
         text = float(sum(counted.values()))
-        if plan.expert_modules:
-            experts = sum(
-                _numel(model.get_submodule(name))
-                for names in match_modules(model, plan.expert_modules, allow_empty=True).values()
-                for name in names
-            )
+        if mplan.expert_modules:
+            experts = sum(_numel(model.get_submodule(name)) for name in routed)
             total = getattr(text_config, "num_experts", None) or getattr(
                 text_config, "n_routed_experts", None
             )
@@ -114,11 +124,10 @@ class StepFlops:
         vision: list[tuple[nn.Module, int]] = []
         if split:
             prefix = split + "."
-            for names in match_modules(model, plan.fsdp_units, allow_empty=True).values():
-                for name in names:
-                    if not name.startswith(prefix):
-                        unit = model.get_submodule(name)
-                        vision.append((unit, _numel(unit)))
+            for name in units:
+                if not name.startswith(prefix):
+                    unit = model.get_submodule(name)
+                    vision.append((unit, _numel(unit)))
         counter = cls(float(text), layers, heads * int(head_dim), vision)
         for unit, _ in vision:
             unit.register_forward_pre_hook(counter._count_rows, with_kwargs=True)

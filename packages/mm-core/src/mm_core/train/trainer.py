@@ -147,6 +147,8 @@ class Trainer:
             else None
         )
         self._resume()
+        for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
+            self._info(line)
         if self.task.setup_note:
             self._info(self.task.setup_note)  # once set up: a run that fails to start prints only its error
         return self

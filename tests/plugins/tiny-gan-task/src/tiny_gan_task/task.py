@@ -23,10 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mm_core.config.schema import ModelConfig
+from mm_core.config.schema import MMConfig, ModelConfig
 from mm_core.data import move_to_device
 from mm_core.errors import ConfigError
-from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.tasks import MAIN, StepResult, Task, TaskParts, TaskToolkit, build_model
 
@@ -37,21 +36,30 @@ KEYS = ("critic", "critic_lr", "adversarial_weight")
 class LMGanTask(Task):
     """The model against a critic (module docstring)."""
 
-    def build(self) -> TaskParts:
-        param = self.ctx.param
+    @classmethod
+    def model_blocks(cls, cfg: MMConfig) -> dict[str, ModelConfig | None]:
+        """The model (the YAML's ``model:``) and the critic (``training.task_param.critic``: overrides)."""
+        param = cfg.training.task_param
         unknown = sorted(set(param) - set(KEYS))
         if unknown:
             raise ConfigError(f"training.task_param.{unknown[0]}: unknown key; accepted: {', '.join(KEYS)}")
-        tcfg = self.ctx.cfg.training
-        self.weight = float(param.get("adversarial_weight", 0.1))
-        self.model = build_model(self.ctx).model
-        critic_cfg = ModelConfig(
+        critic = ModelConfig(
             model_id="tiny_gan_critic", from_scratch=True, config_overrides=param.get(CRITIC, {})
         )
-        self.critic = build_model(self.ctx, critic_cfg).model
+        return {MAIN: None, CRITIC: critic}
+
+    def build(self) -> TaskParts:
+        blocks = self.model_blocks(self.ctx.cfg)
+        param = self.ctx.param
+        tcfg = self.ctx.cfg.training
+        self.weight = float(param.get("adversarial_weight", 0.1))
+        built, built_critic = build_model(self.ctx), build_model(self.ctx, blocks[CRITIC])
+        self.model, self.critic = built.model, built_critic.model
         critic_training = tcfg.model_copy(update={"lr": float(param.get("critic_lr", tcfg.lr))})
-        self.opt = build_optimizer(self.model, tcfg, plan_of(self.model)).optimizer
-        self.opt_critic = build_optimizer(self.critic, critic_training, plan_of(self.critic)).optimizer
+        self.opt = build_optimizer(self.model, tcfg, built.plan.model_plan).optimizer
+        self.opt_critic = build_optimizer(
+            self.critic, critic_training, built_critic.plan.model_plan
+        ).optimizer
         self.sched = build_scheduler(self.opt, tcfg)
         self.sched_critic = build_scheduler(self.opt_critic, critic_training)
         self.toolkit = TaskToolkit(self.ctx, [self.model, self.critic])
