@@ -179,21 +179,22 @@ class RouterAux:
 
 def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
     """The router loss of a model whose config (or its ``text_config``) has ``num_experts`` and
-    ``num_experts_per_tok``, else None."""
+    ``num_experts_per_tok``, else None. A non-zero coefficient is refused for a model whose plan gives
+    ``ModelPlan.router_loss_refusal`` (routing that mm's softmax load-balancing loss does not describe)."""
+    coef = loss_cfg.router_aux_loss_coef
+    refusal = plan_of(model).router_loss_refusal
+    if coef and refusal:
+        raise ConfigError(
+            f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} {refusal}, which mm's "
+            "softmax load-balancing loss does not describe; set it to 0"
+        )
     config = getattr(model, "config", None)
     # a vision-language model keeps its language model's settings in its text config
     get_text_config = getattr(config, "get_text_config", None)
     text = get_text_config() if callable(get_text_config) else config
     num_experts = getattr(text, "num_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
-    coef = loss_cfg.router_aux_loss_coef
     if not num_experts or not top_k:
-        if coef and getattr(text, "n_routed_experts", None):
-            raise ConfigError(
-                f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} routes DeepSeek-V3 "
-                "style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: auxiliary-loss-"
-                "free balancing), which mm's softmax load-balancing loss does not describe; set it to 0"
-            )
         if coef:
             raise ConfigError(
                 f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} has no router "
