@@ -17,7 +17,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
   -e packages/mm-parallel -e "packages/mm-core[lora]" -e packages/mm-models-qwen -e packages/mm-data-text \
   -e packages/mm-data-vlm -e packages/mm-models-kimi -e packages/mm-models-minimax \
   -e packages/mm-models-step -e packages/mm-data-audio \
-  -e "packages/mm-models-funasr[paraformer]" -e "packages/mm-models-video[diffusers]" -e packages/mm-data-video \
+  -e "packages/mm-models-funasr[paraformer]" -e packages/mm-models-video -e packages/mm-data-video \
   -e packages/mm-models-cosyvoice \
   "pytest>=8" "hatchling>=1.25" "ruff==0.17.6" "mypy==2.4.1" "types-PyYAML"
 "$VENV/bin/python" -c "import torch, transformers, mm_core; print('mm env ready: torch', torch.__version__, '| transformers', transformers.__version__)"
