@@ -50,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,7 @@ from mm_core.data.params import (
     paths,
     read_params,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import ConfigError, DataError
 from mm_core.train.loss import IGNORE_INDEX
@@ -163,6 +164,9 @@ def load_text_tokenizer(name_or_path: str | None) -> Any:
 
 class CosyVoiceSpeechDataset:
     """Map-style dataset over one or more speech stores, for one stage (module docstring)."""
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(source_keys=("dataset",), processor_key="model_name_or_path")
 
     def __init__(
         self,
