@@ -40,7 +40,7 @@ WORDS = ["hello", "speech", "tokens", "flow", "matching", "voice", "seven", "blu
 def write_speech_store(root: Path, n: int = 8, seed: int = 0) -> Path:
     """``n`` utterances of 8 to 8 + n - 1 speech tokens (0.32 s and up), a few words of text each; every
     other one has a speaker embedding."""
-    from mm_models_cosyvoice.store import Utterance, write_store
+    from mm_data_audio.cosyvoice.store import Utterance, write_store
 
     rng = np.random.default_rng(seed)
     utts = []

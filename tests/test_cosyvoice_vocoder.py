@@ -35,7 +35,7 @@ SAMPLE_RATE = 24000
 
 
 def _store(root: Path) -> Path:
-    from mm_models_cosyvoice.store import Utterance, write_store
+    from mm_data_audio.cosyvoice.store import Utterance, write_store
 
     rng = np.random.default_rng(0)
     utterances = []

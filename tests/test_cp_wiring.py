@@ -192,8 +192,8 @@ def test_refuses_raw_loss_and_unsupported_models():
         _switch(stand_in(odd), _cfg(), _sizes(ulysses_parallel_size=2))
     with pytest.raises(ConfigError, match="did not accept the attention implementation"):
         _switch(stand_in(Qwen3Config()), _cfg(), _sizes(ring_attention_size=2))
-    # a model with a vision tower needs its class to name the split point (mm_context_parallel_module)
-    with pytest.raises(ConfigError, match=r"sub-models \['vision_config'\].*mm_context_parallel_module"):
+    # a model with a vision tower needs its plan to name the split point (ModelPlan.cp_split_module)
+    with pytest.raises(ConfigError, match=r"sub-models \['vision_config'\].*ModelPlan.cp_split_module"):
         _switch(stand_in(Qwen3VLConfig()), _cfg(), _sizes(ulysses_parallel_size=2))
 
 

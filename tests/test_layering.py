@@ -1,56 +1,116 @@
 """Layering (ARCHITECTURE §1): ``torch <- mm-parallel <- mm-core <- plugins``; nothing imports to its right.
 
-Each package is imported in a fresh interpreter (alone, and with every one of its submodules) and the
-modules it pulled in are checked. Plugins are siblings: none may import another plugin either.
+The packages are read from ``packages/*/pyproject.toml`` (distribution name, import name under ``src/``,
+declared dependencies), so a new package is covered without editing this file. Each package is imported in a
+fresh interpreter (alone, and with every one of its submodules) and the modules it pulled in are checked: a
+plugin may load another plugin only through its declared dependencies (directly or transitively). Every
+import statement of a package's source names only the standard library, the package itself and
+distributions it declares (its own extras included), directly or through their dependencies.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.metadata as metadata
 import json
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 
 import pytest
+from packaging.requirements import Requirement
 
-ORDER = [
-    "mm_parallel",
-    "mm_core",
-    "mm_models_qwen",
-    "mm_models_kimi",
-    "mm_models_step",
-    "mm_data_text",
-    "mm_data_vlm",
-    "mm_data_audio",
-    "mm_models_funasr",
-    "mm_models_video",
-    "mm_data_video",
-    "mm_models_cosyvoice",
-]
-PLUGINS = {
-    "mm_models_qwen",
-    "mm_models_kimi",
-    "mm_models_minimax",
-    "mm_models_step",
-    "mm_data_text",
-    "mm_data_vlm",
-    "mm_data_audio",
-    "mm_models_funasr",
-    "mm_models_video",
-    "mm_data_video",
-    "mm_models_cosyvoice",
-}
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LEAF, CORE = "mm-parallel", "mm-core"
 
 
-def forbidden_for(package: str) -> set[str]:
-    """Top-level packages that ``package`` must never import."""
-    right = set(ORDER[ORDER.index(package) + 1 :]) | PLUGINS
-    right.discard(package)
-    out = right | {"torch_npu"}
-    if package == "mm_parallel":
-        out |= {"transformers", "mm_core"}
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Package:
+    """One package of the monorepo, as its ``pyproject.toml`` and ``src/`` folder declare it."""
+
+    dist: str
+    module: str
+    path: pathlib.Path
+    requires: tuple[Requirement, ...]  # dependencies and every extra's
+    extras: tuple[str, ...]
+
+    @property
+    def mm_deps(self) -> set[str]:
+        """The monorepo distributions it declares (plain dependencies, not extras)."""
+        return {
+            _canonical(r.name) for r in self.requires if r.marker is None and _canonical(r.name) in PACKAGES
+        }
+
+
+def _read_package(pyproject: pathlib.Path) -> Package:
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    src = pyproject.parent / "src"
+    modules = [d.name for d in src.iterdir() if (d / "__init__.py").is_file()]
+    assert len(modules) == 1, f"{src}: expected one import package, found {modules}"
+    optional = project.get("optional-dependencies", {})
+    requires = [Requirement(r) for r in project.get("dependencies", [])]
+    for extra, reqs in optional.items():
+        requires += [Requirement(f"{r}; extra == '{extra}'") for r in reqs if extra != "test"]
+    return Package(
+        _canonical(project["name"]), modules[0], src / modules[0], tuple(requires), tuple(optional)
+    )
+
+
+PACKAGES: dict[str, Package] = {}
+for _file in sorted(ROOT.glob("packages/*/pyproject.toml")):
+    _pkg = _read_package(_file)
+    PACKAGES[_pkg.dist] = _pkg
+MODULES = {p.module: p for p in PACKAGES.values()}
+PLUGINS = sorted(p.module for p in PACKAGES.values() if p.dist not in (LEAF, CORE))
+
+
+def closure(dist: str) -> set[str]:
+    """``dist`` and every monorepo distribution it depends on, directly or transitively."""
+    seen, todo = set(), [dist]
+    while todo:
+        cur = todo.pop()
+        if cur not in seen:
+            seen.add(cur)
+            todo.extend(PACKAGES[cur].mm_deps)
+    return seen
+
+
+def forbidden_for(module: str) -> set[str]:
+    """Top-level packages that ``module`` must never import: every monorepo package outside its declared
+    dependencies (so nothing to its right), ``torch_npu`` (imported lazily), for mm-parallel transformers."""
+    allowed = {PACKAGES[d].module for d in closure(MODULES[module].dist)}
+    out = (set(MODULES) - allowed) | {"torch_npu"}
+    if MODULES[module].dist == LEAF:
+        out |= {"transformers"}
     return out
+
+
+def test_the_package_list_is_read_from_packages() -> None:
+    dirs = {p.parent.name for p in ROOT.glob("packages/*/pyproject.toml")}
+    assert {p.path.parents[1].name for p in PACKAGES.values()} == dirs
+    assert {"mm_parallel", "mm_core", "mm_models_minimax"} <= set(MODULES)
+    assert PACKAGES[LEAF].mm_deps == set() and PACKAGES[CORE].mm_deps == {LEAF}
+    for name in PLUGINS:
+        assert CORE in closure(MODULES[name].dist), f"{name} does not depend on {CORE}"
+
+
+def test_the_plugin_dependency_graph_has_no_cycle() -> None:
+    for pkg in PACKAGES.values():
+        for dep in pkg.mm_deps:
+            assert pkg.dist not in closure(dep), f"{pkg.dist} and {dep} depend on each other"
 
 
 _PROBE = textwrap.dedent(
@@ -84,7 +144,7 @@ def probe(package: str, walk: bool) -> dict:
 
 
 @pytest.mark.parametrize("walk", [False, True], ids=["package", "every-submodule"])
-@pytest.mark.parametrize("package", ORDER)
+@pytest.mark.parametrize("package", sorted(MODULES))
 def test_no_import_to_the_right(package: str, walk: bool) -> None:
     result = probe(package, walk)
     loaded = set(result["modules"])
@@ -147,3 +207,74 @@ def test_mm_core_imports_run_one_way() -> None:
         assert not reaches(lower, upper), f"{lower} imports {upper} (imports must run one way)"
     cycles = [(a, b) for a in graph for b in graph[a] if reaches(b, a)]
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def _imports(path: pathlib.Path) -> dict[str, str]:
+    """The top-level names a package's source imports (absolute imports, function-level ones included),
+    each with the first place it is imported (``file:line``)."""
+    found: dict[str, str] = {}
+    for f in sorted(path.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], f"{f.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+@functools.cache
+def _installed_requires(dist: str) -> tuple[str, ...]:
+    """The plain (no extra) dependencies of an installed third-party distribution."""
+    try:
+        lines = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return ()
+    reqs = [Requirement(line) for line in lines]
+    return tuple(_canonical(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""}))
+
+
+def declared(pkg: Package) -> set[str]:
+    """The distributions ``pkg`` may import: its own dependencies and extras, and theirs, transitively."""
+    seen: set[str] = set()
+    todo = [pkg.dist]
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur == pkg.dist:
+            todo += [_canonical(r.name) for r in pkg.requires]
+        elif cur in PACKAGES:
+            todo += [_canonical(r.name) for r in PACKAGES[cur].requires if r.marker is None]
+        else:
+            todo += _installed_requires(cur)
+    return seen
+
+
+@pytest.mark.parametrize("package", sorted(MODULES))
+def test_imports_name_only_declared_packages(package: str) -> None:
+    pkg = MODULES[package]
+    allowed = declared(pkg)
+    providers = metadata.packages_distributions()
+    undeclared = []
+    for name, where in sorted(_imports(pkg.path).items()):
+        if name in sys.stdlib_module_names or name == package:
+            continue
+        dists = {PACKAGES[MODULES[name].dist].dist} if name in MODULES else set()
+        dists |= {_canonical(d) for d in providers.get(name, [])} or {_canonical(name)}
+        if not dists & allowed:
+            undeclared.append(f"{name} ({where}; provided by {', '.join(sorted(dists))})")
+    assert not undeclared, f"{pkg.dist} imports packages it does not declare: {undeclared}"
+
+
+def test_declared_follows_dependencies_not_the_environment() -> None:
+    # a sibling plugin installed beside it is not declared; one reached through a declared plugin is
+    assert "mm-data-vlm" not in declared(MODULES["mm_models_qwen"])
+    assert {"mm-data-vlm", "mm-core", "transformers", "torch"} <= declared(MODULES["mm_data_audio"])
+    assert "diffusers" in declared(MODULES["mm_models_video"])  # a plain dependency, not an extra
+    assert "mm_models_qwen" in forbidden_for("mm_data_audio")
+    assert "mm_data_vlm" not in forbidden_for("mm_data_audio")

@@ -22,12 +22,18 @@ PACKAGES = {
     "mm-models-step": ("mm_models_step", {"mm-core"}),
     "mm-data-text": ("mm_data_text", {"mm-core"}),
     "mm-data-vlm": ("mm_data_vlm", {"mm-core"}),
-    "mm-data-audio": ("mm_data_audio", {"mm-core"}),
+    "mm-data-audio": ("mm_data_audio", {"mm-core", "mm-data-vlm"}),
     "mm-models-funasr": ("mm_models_funasr", {"mm-core"}),
     "mm-models-video": ("mm_models_video", {"mm-core"}),
     "mm-data-video": ("mm_data_video", {"mm-core"}),
-    "mm-models-cosyvoice": ("mm_models_cosyvoice", {"mm-core"}),
+    "mm-models-cosyvoice": ("mm_models_cosyvoice", {"mm-core", "mm-data-audio"}),
 }
+#: the library a package exists for: a plain dependency, not an extra
+LIBRARY = {"mm-models-video": "diffusers"}
+
+
+def test_every_package_folder_is_listed():
+    assert set(PACKAGES) == {p.parent.name for p in (REPO / "packages").glob("*/pyproject.toml")}
 
 
 @pytest.mark.parametrize("dist", sorted(PACKAGES))
@@ -65,6 +71,8 @@ def test_package_builds_alone(dist, tmp_path):
         r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip() for r in requires
     }
     assert {n for n in names if n.startswith("mm-")} == mm_deps
+    if dist in LIBRARY:
+        assert LIBRARY[dist] in names
     assert "torch_npu" not in names  # optional extra only
 
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from mm_core.models import BaseModel, ModelArguments
+from mm_core.models import BaseModel, ModelArguments, ModelPlan
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TinyOutput(ModelOutput):
 class TinyLM(nn.Module, BaseModel):
     """Embedding, residual MLP blocks, head. Each block is an FSDP unit by default."""
 
-    mm_fsdp_modules: ClassVar[list[str]] = ["blocks.{*}"]
+    mm_plan: ClassVar[ModelPlan] = ModelPlan(fsdp_units=("blocks.{*}",))
 
     def __init__(self, vocab_size: int = 4096, hidden: int = 32, n_blocks: int = 2) -> None:
         super().__init__()

@@ -39,7 +39,7 @@ if [[ "$MM_DEPS" == pinned ]]; then PINS=(-c constraints.txt); else PINS=(--upgr
   -e packages/mm-parallel -e "packages/mm-core[lora]" -e packages/mm-models-qwen -e packages/mm-data-text \
   -e packages/mm-data-vlm -e packages/mm-models-kimi -e packages/mm-models-minimax \
   -e packages/mm-models-step -e packages/mm-data-audio \
-  -e "packages/mm-models-funasr[paraformer]" -e "packages/mm-models-video[diffusers]" -e packages/mm-data-video \
+  -e "packages/mm-models-funasr[paraformer]" -e packages/mm-models-video -e packages/mm-data-video \
   -e packages/mm-models-cosyvoice \
   "pytest>=8" "hatchling>=1.25" "ruff==0.17.6" "mypy==2.4.1" "types-PyYAML"
 if [[ $freeze -eq 1 ]]; then

@@ -3,8 +3,8 @@ text tokenizer, the speech stores and the model configs (no network, no download
 
 Writes, under ``--out`` (default: ``examples/speech_cosyvoice/build``):
 
-- ``store/`` and ``heldout/``: speech stores (:func:`mm_models_cosyvoice.store.write_store`) of the training
-  utterances and of the held-out ones (:data:`HELD_OUT_FRACTION`, never trained on, never seen by the
+- ``store/`` and ``heldout/``: speech stores (:func:`mm_data_audio.cosyvoice.store.write_store`) of the
+  training utterances and of the held-out ones (:data:`HELD_OUT_FRACTION`, never trained on, never seen by the
   k-means). An utterance is a string of :data:`DIGITS_PER_UTTERANCE` random digits spoken as words ("three
   one four") by espeak-ng in one voice at a fixed speed and pitch (:data:`VOICE`), resampled from
   espeak-ng's 22050 Hz to 24 kHz, silence trimmed, zero-padded to a multiple of 960 samples (two mel frames
@@ -49,8 +49,8 @@ import numpy.typing as npt
 import torch
 from kmeans_tokenizer import KMeansSpeechTokenizer
 
-from mm_models_cosyvoice.audio import SAMPLE_RATE, TOKEN_SAMPLES, log_mel, resample
-from mm_models_cosyvoice.store import Utterance, write_store
+from mm_data_audio.cosyvoice.audio import SAMPLE_RATE, TOKEN_SAMPLES, log_mel, resample
+from mm_data_audio.cosyvoice.store import Utterance, write_store
 
 HERE = Path(__file__).resolve().parent
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -189,7 +189,7 @@ def write_sample(out: Path) -> Path:
 
 def read_sample(folder: Path) -> list[Spoken]:
     """The utterances of a folder written by :func:`write_sample`."""
-    from mm_models_cosyvoice.audio import read_wav
+    from mm_data_audio.cosyvoice.audio import read_wav
 
     manifest = folder / "manifest.jsonl"
     out: list[Spoken] = []

@@ -3,8 +3,8 @@
 CosyVoice3 turns speech into 25 Hz tokens with its supervised ``speech_tokenizer_v3`` (an FSQ codebook of
 6561 codes trained with an ASR objective), an official file this offline example cannot download. In its place
 this module learns a small codebook from the example's own training speech: every pair of consecutive
-50 Hz log-mel frames (:func:`mm_models_cosyvoice.audio.log_mel`, 2 × 80 values, one 25 Hz token's worth) is
-a 160-d point, and k-means (scikit-learn's ``KMeans``, seeded) places ``K`` centroids among the training
+50 Hz log-mel frames (:func:`mm_data_audio.cosyvoice.audio.log_mel`, 2 × 80 values, one 25 Hz token's worth)
+is a 160-d point, and k-means (scikit-learn's ``KMeans``, seeded) places ``K`` centroids among the training
 utterances' points. A token is the index of the nearest centroid (Euclidean), so a wave of ``960 · S``
 samples gives ``S`` tokens and the store's ``T = 2 S`` holds by construction.
 

@@ -54,13 +54,10 @@ import torch
 import yaml
 
 from mm_core.config.schema import ModelConfig
-from mm_models_cosyvoice.audio import SAMPLE_RATE, log_mel, write_wav
-from mm_models_cosyvoice.data import load_text_tokenizer
-from mm_models_cosyvoice.flow import CosyVoice3FlowForTraining
-from mm_models_cosyvoice.hift import HiFTGenerator
-from mm_models_cosyvoice.lm import CosyVoice3LMForTraining
-from mm_models_cosyvoice.sequence import lm_sequence
-from mm_models_cosyvoice.store import (
+from mm_data_audio.cosyvoice.audio import SAMPLE_RATE, log_mel, write_wav
+from mm_data_audio.cosyvoice.data import load_text_tokenizer
+from mm_data_audio.cosyvoice.sequence import lm_sequence
+from mm_data_audio.cosyvoice.store import (
     SPEAKER_DIM,
     SpeechRecord,
     load_mel,
@@ -69,6 +66,9 @@ from mm_models_cosyvoice.store import (
     read_index,
     read_meta,
 )
+from mm_models_cosyvoice.flow import CosyVoice3FlowForTraining
+from mm_models_cosyvoice.hift import HiFTGenerator
+from mm_models_cosyvoice.lm import CosyVoice3LMForTraining
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -5,7 +5,6 @@ clipping policy, ``mm check`` summary and state size; Muon exclusions use mm's o
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -16,7 +15,7 @@ from torch import nn
 from mm_core.config.loader import validate_config
 from mm_core.config.schema import TrainingConfig
 from mm_core.errors import ConfigError
-from mm_core.models import BaseModel, ModelPlan, ModelPlans, plan_of
+from mm_core.models import BaseModel, ModelPlan, plan_of
 from mm_core.optim import (
     BuiltOptimizer,
     OptimizerPlugin,
@@ -127,42 +126,6 @@ def test_plan_of_reads_the_declared_plan_or_defaults() -> None:
 
     with pytest.raises(ConfigError, match="Bad.mm_plan: expected an mm_core.models.ModelPlan, got dict"):
         plan_of(Bad())
-
-
-def test_legacy_class_attributes_still_work_with_one_warning() -> None:
-    class Legacy(nn.Module, BaseModel):
-        mm_fsdp_modules: ClassVar[list[str]] = ["blocks.{*}"]
-        mm_recompute_modules: ClassVar[list[str]] = ["blocks.{0-1}"]
-        mm_ep_modules: ClassVar[list[str]] = ["blocks.{*}.mlp"]
-        mm_expert_adapter: ClassVar[type] = _Adapter
-        mm_muon_exclude_modules: ClassVar[list[str]] = ["blocks.{*}.gate"]
-        mm_context_parallel_module: ClassVar[str | None] = "blocks"
-        mm_context_parallel_packed: ClassVar[dict[str, str]] = {"features": "feature_mask"}
-
-    with pytest.warns(FutureWarning, match=r"Legacy declares its plan .*mm_fsdp_modules.*declare mm_plan"):
-        plan = plan_of(Legacy)
-    assert plan == dataclasses.replace(Planned.mm_plan, init_weights=None)
-
-    class Wrapped(Legacy):  # as FSDP wraps a model: a subclass of the class that declares the attributes
-        pass
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per declaring class
-        assert plan_of(Legacy) == plan and plan_of(Wrapped) == plan
-
-    # the deprecated mixin still imports; a legacy attribute overrides the field of an inherited mm_plan
-    class Mixed(Planned, ModelPlans):
-        mm_fsdp_modules: ClassVar[list[str]] = ["blocks.0"]
-
-    with pytest.warns(FutureWarning):
-        mixed = plan_of(Mixed)
-    assert mixed.fsdp_units == ("blocks.0",) and mixed.recompute_units == Planned.mm_plan.recompute_units
-
-    class Broken(nn.Module):
-        mm_ep_modules: ClassVar[list[str]] = ["layers.{1-0}"]
-
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"Broken: .*expert_modules.*empty"):
-        plan_of(Broken)
 
 
 _ONE = ParallelSizes(world_size=1, dp_replicate=1, dp_shard=1)

@@ -12,9 +12,9 @@ from _cosy_fixtures import TINY_LM, VOCAB, lm_args
 from mm_core.errors import ConfigError
 from mm_core.models import ModelArguments
 from mm_core.train.loss import loss_sum, shift_labels
+from mm_data_audio.cosyvoice.sequence import bistream_allowed, lm_sequence
 from mm_models_cosyvoice.convert import convert_official
 from mm_models_cosyvoice.lm import CosyVoice3LMForTraining
-from mm_models_cosyvoice.sequence import bistream_allowed, lm_sequence
 
 IGN = -100
 SOS, EOS, TASK, FILL = VOCAB, VOCAB + 1, VOCAB + 2, VOCAB + 3

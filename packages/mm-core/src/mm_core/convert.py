@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from mm_core.checkpoint.layout import is_checkpoint
 from mm_core.checkpoint.reader import load_dcp, read_metadata
 from mm_core.config import validate_config
 from mm_core.config.schema import MMConfig
+from mm_core.data.plan import registered_data_plan
 from mm_core.errors import CheckpointError, ConfigError, PluginError
 from mm_core.lora import is_adapter_key
 from mm_core.models.hub import ModelHub, has_weights
@@ -40,6 +42,7 @@ _TOKENIZER_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
+log = logging.getLogger("mm")
 
 
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
@@ -238,9 +241,23 @@ def dcp_to_hf(
         conf = json.loads(config_path.read_text(encoding="utf-8"))
         conf["architectures"] = [_hf_base_class_name(model)]
         config_path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tok = cfg.data.dataset_param.preprocess_parameters.get("model_name_or_path")
-    if tok and Path(tok).is_dir():
+    tok = _tokenizer_folder(cfg)
+    if tok is not None:
         for name in _TOKENIZER_FILES:
-            if (Path(tok) / name).is_file():
-                shutil.copy2(Path(tok) / name, dst / name)
+            if (tok / name).is_file():
+                shutil.copy2(tok / name, dst / name)
     return dst
+
+
+def _tokenizer_folder(cfg: MMConfig) -> Path | None:
+    """The tokenizer / processor folder of the run's dataset (the ``preprocess_parameters`` key its
+    ``DataPlan.processor_key`` names), when it is a folder here. The dataset comes from an installed plugin or
+    a ``--plugin`` module (never from the checkpoint's ``training.plugin``); without it there is none (a
+    warning says the tokenizer files are not copied)."""
+    try:
+        key = registered_data_plan(cfg.data.dataset_param.dataset_type).processor_key
+    except (ConfigError, PluginError) as exc:
+        log.warning(f"mm convert dcp-to-hf: tokenizer files not copied ({exc})")
+        return None
+    value = cfg.data.dataset_param.preprocess_parameters.get(key) if key else None
+    return Path(value) if isinstance(value, str) and value and Path(value).is_dir() else None

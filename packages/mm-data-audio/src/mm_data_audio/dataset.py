@@ -46,6 +46,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
 
@@ -87,6 +88,11 @@ class AudioDataset(torch.utils.data.Dataset):
     """Audio (+ image) SFT samples: ``input_ids``, ``labels``, the format's audio inputs, image inputs when
     the sample has images, ``sample_id`` and ``skipped_samples``. Subclasses say how a record reads
     (:meth:`read_record`) and may add preprocess parameters (:attr:`EXTRA_FIELDS`)."""
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(
+        source_keys=("dataset",), root_key="dataset_dir", processor_key="model_name_or_path"
+    )
 
     #: the ``dataset_type`` name messages use
     NAME: ClassVar[str] = ""

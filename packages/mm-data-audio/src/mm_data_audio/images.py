@@ -2,7 +2,7 @@
 takes images and audio; its ``preprocessor_config.json`` carries both the feature extractor's and the image
 processor's keys).
 
-The pixels and placeholders are :class:`mm_core.data.qwen_vl_images.QwenVLImages` (shared with mm-data-vlm's
+The pixels and placeholders are :class:`mm_data_vlm.qwen_vl_images.QwenVLImages` (shared with mm-data-vlm's
 Qwen-VL format): ``pixel_values`` [patches, C·T·P²] and ``image_grid_thw`` [images, 3]; an image becomes
 ``<|vision_start|>`` + N ``<|image_pad|>`` + ``<|vision_end|>`` with N its merged patches, computed from the
 image's size, which the header gives without decoding (so the datasets count tokens from headers).
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mm_core.data.qwen_vl_images import IMAGE_FIELDS, IMAGE_PAD, VISION_END, VISION_START, QwenVLImages
+from mm_data_vlm.qwen_vl_images import IMAGE_FIELDS, IMAGE_PAD, VISION_END, VISION_START, QwenVLImages
 
 __all__ = [
     "IMAGE_FIELDS",

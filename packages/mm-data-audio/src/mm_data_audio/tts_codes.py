@@ -44,6 +44,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.records import RecordError, iter_records, resolve_files
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import ConfigError, DataError
@@ -146,6 +147,11 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 class TTSCodesDataset(torch.utils.data.Dataset):
     """Qwen3-TTS samples from text + codec-code records (module docstring)."""
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(
+        source_keys=("dataset",), root_key="dataset_dir", processor_key="model_name_or_path"
+    )
 
     NAME: ClassVar[str] = "tts_codes"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.prepare import PreparedDataset
 from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import DataError
@@ -122,6 +123,11 @@ class TextPretrainDataset(PreparedDataset, torch.utils.data.Dataset):
     only maps them. Each entry of ``basic_parameters.dataset`` is one source with its own token stream (its
     files in order), cut into blocks that never cross sources; ``weights`` mixes the sources.
     """
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(
+        source_keys=("dataset",), root_key="dataset_dir", processor_key="model_name_or_path"
+    )
 
     def __init__(
         self,

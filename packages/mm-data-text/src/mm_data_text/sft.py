@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.prepare import PreparedDataset
 from mm_core.data.tokenstore import ShardWriter, TokenStore, token_dtype
 from mm_core.errors import ConfigError, DataError
@@ -170,6 +171,11 @@ class SFTDataset(PreparedDataset, torch.utils.data.Dataset):
     ones (``file:line``) and a warning reports them when the data is prepared. Each entry of
     ``basic_parameters.dataset`` is one source (its files in order); ``weights`` mixes the sources.
     """
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(
+        source_keys=("dataset",), root_key="dataset_dir", processor_key="model_name_or_path"
+    )
 
     def __init__(
         self,

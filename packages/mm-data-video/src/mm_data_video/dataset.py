@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -53,6 +53,7 @@ from mm_core.data.params import (
     positive_int,
     read_params,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.errors import DataError
 
 from .store import LatentRecord, load_array, read_index
@@ -81,6 +82,9 @@ def noise_seed(seed: int, epoch: int, index: int) -> int:
 
 class VideoLatentsDataset:
     """Map-style dataset over one or more latent stores (module docstring)."""
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(source_keys=("dataset",))
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from mm_core.data.params import (
     read_params,
     string,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.prepare import PreparedDataset
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
@@ -82,6 +83,11 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
     - an image that fails to decode, or a sample whose tokens differ from the prepared count (an image
       changed since preparation): likewise, when the sample is fetched.
     """
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(
+        source_keys=("dataset",), root_key="dataset_dir", processor_key="model_name_or_path"
+    )
 
     def __init__(
         self,

@@ -8,24 +8,9 @@
   :mod:`~mm_models_cosyvoice.discriminator`) with the ``cosyvoice_vocoder`` task: the HiFT vocoder
   (log-mel -> 24 kHz wave) and its GAN discriminators.
 
-Data: :mod:`~mm_models_cosyvoice.store` (the speech store), :mod:`~mm_models_cosyvoice.audio` (the one
-log-mel), :mod:`~mm_models_cosyvoice.data` (the ``cosyvoice_speech`` dataset and its collators). The model
-modules are imported only when used (entry points), so reading or writing a store needs no model code.
+The data they train on (the speech store, the one log-mel, the ``cosyvoice_speech`` dataset and its collators)
+is mm-data-audio's :mod:`mm_data_audio.cosyvoice`; the model modules here are imported only when used (entry
+points), so reading or writing a store needs no model code.
 """
 
-from mm_models_cosyvoice.audio import log_mel, read_wav, write_wav
-from mm_models_cosyvoice.store import SpeechRecord, StoreMeta, Utterance, read_index, read_meta, write_store
-
 __version__ = "0.1.0"
-
-__all__ = [
-    "SpeechRecord",
-    "StoreMeta",
-    "Utterance",
-    "log_mel",
-    "read_index",
-    "read_meta",
-    "read_wav",
-    "write_store",
-    "write_wav",
-]

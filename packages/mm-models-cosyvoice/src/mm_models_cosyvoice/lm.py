@@ -13,7 +13,7 @@ holds ``llm.model.model.embed_tokens.weight``, ``llm.model.model.layers.{i}...``
 keys of the official ``llm.pt``.
 
 **Batch.** The ``cosyvoice_speech`` dataset (stage ``lm``) assembles each row
-(:mod:`mm_models_cosyvoice.sequence`): ``input_ids`` and ``speech_mask`` [B, N], ``attention_mask``, and
+(:mod:`mm_data_audio.cosyvoice.sequence`): ``input_ids`` and ``speech_mask`` [B, N], ``attention_mask``, and
 ``labels`` in mm's convention. Two ways to train:
 
 - ``model.loss_cfg.loss_type: per_token_loss`` (recommended): mm computes the cross entropy from
@@ -45,8 +45,8 @@ from transformers.utils import ModelOutput
 from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
 from mm_core.train.loss import IGNORE_INDEX, shift_labels
+from mm_data_audio.cosyvoice.sequence import SpeechIds, prompt_sequence
 
-from .sequence import SpeechIds, prompt_sequence
 from .weights import (
     load_checked,
     read_state,

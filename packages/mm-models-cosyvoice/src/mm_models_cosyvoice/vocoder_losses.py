@@ -11,7 +11,7 @@ With ``D_k`` the score maps of the sub-discriminators and ``F_k^l`` their featur
   ``m = median(a − b)``, ``min(τ, mean over the positions where a < b + m of ((a − b) − m)²)``, summed over
   the sub-discriminators; the discriminator takes ``(D(y), D(ŷ))``, the generator ``(D(ŷ), D(y))``;
 - mel: ``mean|log_mel(y) − log_mel(ŷ)|`` with the store's log-mel
-  (:func:`mm_models_cosyvoice.audio.log_mel`);
+  (:func:`mm_data_audio.cosyvoice.audio.log_mel`);
 - pitch: ``mean|f0_predicted − f0_target|`` in Hz over all frames.
 
 **Per sample.** The official TPR takes the median and the mean over the whole batch, which would make the
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .audio import log_mel
+from mm_data_audio.cosyvoice.audio import log_mel
 
 
 def discriminator_adversarial(real: Sequence[torch.Tensor], fake: Sequence[torch.Tensor]) -> torch.Tensor:

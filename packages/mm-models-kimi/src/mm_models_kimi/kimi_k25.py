@@ -46,8 +46,8 @@ class KimiK25ForTraining(Kimi_K25ForConditionalGeneration):
     auxiliary-loss-free balancing adjusts it outside back-propagation), so it keeps its checkpoint values
     (zeros from scratch). The router weight is trained through the expert weights. mm's router loss
     (``model.loss_cfg.router_aux_loss_coef``) is the Switch-Transformer softmax loss, which does not describe
-    this sigmoid, bias-corrected routing; ``router_aux_for`` finds no ``num_experts`` in the DeepSeek-V3
-    text config and refuses a non-zero coefficient, so train with ``router_aux_loss_coef: 0``.
+    this sigmoid, bias-corrected routing; the plan's ``router_loss_refusal`` says so and mm refuses a non-zero
+    coefficient, so train with ``router_aux_loss_coef: 0``.
 
     Under FSDP every rank must run the same units each step: a training micro-batch without images runs the
     vision tower and projector on one blank minimal image and adds 0 × the result to the logits and to the
@@ -64,6 +64,10 @@ class KimiK25ForTraining(Kimi_K25ForConditionalGeneration):
             "model.language_model.layers.{*}.mlp.gate",
         ),
         output_head="lm_head",
+        router_loss_refusal=(
+            "routes DeepSeek-V3 style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: "
+            "auxiliary-loss-free balancing)"
+        ),
         init_weights=init_expert_adapters,
     )
 

@@ -75,6 +75,7 @@ STEP3P7_PLAN = ModelPlan(
         "model.language_model.embed_tokens",
     ),
     output_head="lm_head",
+    router_loss_refusal="routes by sigmoid scores plus a balancing bias and has no auxiliary loss",
     init_weights=init_expert_adapters,
 )
 

@@ -50,6 +50,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from diffusers.models.normalization import RMSNorm
+from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -67,15 +69,6 @@ from .diffusers_model import (
 )
 from .flow_matching import FlowMatching
 from .ulysses_ltx2 import UlyssesLTX2Split, attach_ulysses_ltx2
-
-try:
-    from diffusers.models.normalization import RMSNorm
-    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"mm-models-video's ltx2 needs diffusers ({exc}); install it with "
-        "pip install 'mm-models-video[diffusers]'"
-    ) from exc
 
 #: config_overrides keys that are training settings, not transformer config keys
 TRAINING_KEYS = ("flow_matching", "audio_loss_weight", "frame_rate")

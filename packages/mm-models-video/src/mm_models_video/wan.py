@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformer3DModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,14 +57,6 @@ from .diffusers_model import (
 )
 from .flow_matching import TIMESTEP_SCALE, FlowMatching
 from .ulysses import UlyssesSplit, attach_ulysses
-
-try:
-    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformer3DModel
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"mm-models-video's wan2_2 needs diffusers ({exc}); install it with "
-        "pip install 'mm-models-video[diffusers]'"
-    ) from exc
 
 #: config_overrides keys that are training settings, not transformer config keys
 TRAINING_KEYS = ("flow_matching", "expert", "boundary_ratio")

@@ -197,11 +197,6 @@ def save_checkpoint(
     return layout.step_dir(root, step)
 
 
-def checkpoint_keys(path: Path) -> set[str]:
-    """Flattened keys stored in a DCP checkpoint (e.g. ``model.lm_head.weight``)."""
-    return set(read_metadata(path).state_dict_metadata)
-
-
 def check_shapes(path: Path, metadata: dict[str, Any], expected: dict[str, Any], where: str) -> None:
     """Every stored tensor that will be loaded has the shape the model expects (``expected`` maps the
     flattened checkpoint key to a tensor or a shape); a mismatch names the tensor and both shapes."""

@@ -12,12 +12,6 @@ from mm_core.config.schema import ModelConfig
 ModelArguments = ModelConfig
 
 
-class ModelPlans:
-    """Deprecated mixin, kept so that ``class M(SomeHFModel, ModelPlans)`` still imports: declare
-    ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)`` instead (see :mod:`mm_core.models.plan`). The old
-    ``mm_*`` class attributes are still read by :func:`~mm_core.models.plan.plan_of`."""
-
-
 class BaseModel(ABC):
     """A custom model: ``class MyModel(torch.nn.Module, BaseModel)``; default plans go in
     ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)`` (see :class:`~mm_core.models.plan.ModelPlan`).

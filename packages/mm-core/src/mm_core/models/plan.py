@@ -4,15 +4,10 @@ A model class declares ``mm_plan: ClassVar[ModelPlan] = ModelPlan(...)``; every 
 :func:`plan_of`. A class that declares nothing trains with the defaults (no default units: the YAML names
 them, or the whole model is one FSDP unit). Patterns use the syntax of ``parallel.fsdp_plan.apply_modules``
 (:mod:`mm_parallel.patterns`).
-
-The older per-field class attributes (``mm_fsdp_modules`` and friends, see :data:`LEGACY_ATTRIBUTES`) are
-still read, override the matching fields and draw a one-time ``FutureWarning`` per class.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,17 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from mm_core.errors import ConfigError
 from mm_parallel.moe import ExpertParallelExperts
 from mm_parallel.patterns import ModulePattern, PatternError
-
-#: legacy class attribute -> :class:`ModelPlan` field
-LEGACY_ATTRIBUTES: dict[str, str] = {
-    "mm_fsdp_modules": "fsdp_units",
-    "mm_recompute_modules": "recompute_units",
-    "mm_ep_modules": "expert_modules",
-    "mm_expert_adapter": "expert_adapter",
-    "mm_context_parallel_module": "cp_split_module",
-    "mm_context_parallel_packed": "cp_packed_inputs",
-    "mm_muon_exclude_modules": "muon_exclude_modules",
-}
 
 _PATTERN_FIELDS = ("fsdp_units", "recompute_units", "expert_modules", "muon_exclude_modules")
 
@@ -71,6 +55,11 @@ class ModelPlan:
     #: joint loss) reported in the metrics beside ``loss``, each the mean over the step's micro-batches and
     #: ranks of the model's value (micro-batches where it is None are left out)
     loss_parts: tuple[str, ...] = ()
+    #: why mm's router load-balancing loss (``model.loss_cfg.router_aux_loss_coef``, the softmax
+    #: Switch-Transformer loss) does not fit this model's routing, completing "<class> ...", e.g. "routes by
+    #: sigmoid scores with a bias-corrected top-k": a non-zero coefficient is refused with it. None: the loss
+    #: applies when the text config has ``num_experts`` and ``num_experts_per_tok``
+    router_loss_refusal: str | None = None
     #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
     #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
     init_weights: Callable[[nn.Module], None] | None = None
@@ -117,6 +106,8 @@ class ModelPlan:
                 f"ModelPlan.expert_adapter: {adapter!r} is not a subclass of "
                 "mm_parallel.moe.ExpertParallelExperts"
             )
+        if self.router_loss_refusal is not None and not isinstance(self.router_loss_refusal, str):
+            raise TypeError(f"ModelPlan.router_loss_refusal: {self.router_loss_refusal!r} is not a string")
         for hook_name in ("init_weights", "count_tokens", "context_parallel"):
             hook = getattr(self, hook_name)
             if hook is not None and not callable(hook):
@@ -157,45 +148,17 @@ class ModelPlan:
         ]
 
 
-_warned: set[type] = set()
-
-
 def plan_of(model: Any) -> ModelPlan:
-    """The plan of a model (instance or class): its ``mm_plan``, with any legacy ``mm_*`` class attributes
-    applied on top; ``ModelPlan()`` when it declares neither."""
+    """The plan of a model (instance or class): its ``mm_plan``; ``ModelPlan()`` when it declares none."""
     cls = model if isinstance(model, type) else type(model)
     plan = getattr(cls, "mm_plan", None)
     if plan is None:
-        plan = ModelPlan()
-    elif not isinstance(plan, ModelPlan):
+        return ModelPlan()
+    if not isinstance(plan, ModelPlan):
         raise ConfigError(
             f"{cls.__name__}.mm_plan: expected an mm_core.models.ModelPlan, got {type(plan).__name__}"
         )
-    legacy: dict[str, Any] = {}
-    owners: dict[type, list[str]] = {}  # the classes that declare them (not a wrapper subclass, e.g. FSDP's)
-    for attr, field in LEGACY_ATTRIBUTES.items():
-        value = getattr(cls, attr, None)
-        if value is None or (isinstance(value, Iterable) and not value):
-            continue
-        legacy[field] = value
-        owner = next(c for c in cls.__mro__ if attr in vars(c))
-        owners.setdefault(owner, []).append(attr)
-    if not legacy:
-        return plan
-    for owner, attrs in owners.items():
-        if owner not in _warned:  # once per declaring class and process
-            _warned.add(owner)
-            warnings.warn(
-                f"{owner.__module__}.{owner.__qualname__} declares its plan with the class attributes "
-                f"{', '.join(attrs)}; declare mm_plan: ClassVar[ModelPlan] = ModelPlan(...) instead "
-                "(mm_core.models.ModelPlan)",
-                FutureWarning,
-                stacklevel=2,
-            )
-    try:
-        return dataclasses.replace(plan, **legacy)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cls.__name__}: {exc}") from None
+    return plan
 
 
 def init_expert_adapters(model: nn.Module, std: float | None = None) -> None:

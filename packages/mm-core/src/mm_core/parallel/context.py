@@ -142,8 +142,8 @@ def plan_context_parallel(
         raise ConfigError(
             f"{key}: model {mcfg.model_id!r} has {what}; context parallelism supports "
             "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe), with other towers "
-            "only when the model's plan names where to split the sequence (ModelPlan.cp_split_module, "
-            "formerly the class attribute mm_context_parallel_module; e.g. qwen3_vl)"
+            "only when the model's plan names where to split the sequence (ModelPlan.cp_split_module, e.g. "
+            "qwen3_vl)"
         )
     heads = facts.num_heads
     if sizes.ulysses > 1 and heads and heads % sizes.ulysses:
@@ -181,8 +181,8 @@ def shard_module_inputs(
     True of the mask input it names, a tensor or a list of them) keep the rows of this rank's tokens.
 
     Without ``position_ids`` (and without a cache) the whole sequence's positions ``0..seq-1`` are added
-    first: a language model that computes its own from the length of its input (DeepSeek-V3 in Kimi K2.5,
-    Step 3.7) would otherwise number each rank's shard from 0."""
+    first: a language model that computes its own from the length of its input would otherwise number each
+    rank's shard from 0."""
     b, n = layout.segments.shape
     if kwargs.get("position_ids") is None and kwargs.get("past_key_values") is None:
         device = layout.segments.device

@@ -21,7 +21,7 @@ from torch import nn
 from mm_core.config.schema import EPPlan, LossConfig, ParallelConfig
 from mm_core.errors import ConfigError
 from mm_core.models.facts import text_config_of
-from mm_core.models.plan import ModelPlan
+from mm_core.models.plan import ModelPlan, plan_of
 from mm_core.parallel.matching import ModuleMatches
 from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_parallel.moe import ExpertParallelExperts, load_balancing_loss, shard_experts, swap_experts
@@ -173,21 +173,23 @@ class RouterAux:
         return load_balancing_loss(list(router_logits), self.num_experts, self.top_k, mask, group)
 
 
-def router_aux_for(model: nn.Module, loss_cfg: LossConfig) -> RouterAux | None:
+def router_aux_for(model: nn.Module, loss_cfg: LossConfig, plan: ModelPlan | None = None) -> RouterAux | None:
     """The router loss of a model whose config (or its ``text_config``) has ``num_experts`` and
-    ``num_experts_per_tok``, else None."""
+    ``num_experts_per_tok``, else None. A non-zero coefficient is refused for a model whose plan (``plan``,
+    else the model's own) gives ``ModelPlan.router_loss_refusal`` (routing that mm's softmax load-balancing
+    loss does not describe)."""
+    coef = loss_cfg.router_aux_loss_coef
+    refusal = (plan if plan is not None else plan_of(model)).router_loss_refusal
+    if coef and refusal:
+        raise ConfigError(
+            f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} {refusal}, which mm's "
+            "softmax load-balancing loss does not describe; set it to 0"
+        )
     # a vision-language model keeps its language model's settings in its text config
     text = text_config_of(model)
     num_experts = getattr(text, "num_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
-    coef = loss_cfg.router_aux_loss_coef
     if not num_experts or not top_k:
-        if coef and getattr(text, "n_routed_experts", None):
-            raise ConfigError(
-                f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} routes DeepSeek-V3 "
-                "style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: auxiliary-loss-"
-                "free balancing), which mm's softmax load-balancing loss does not describe; set it to 0"
-            )
         if coef:
             raise ConfigError(
                 f"model.loss_cfg.router_aux_loss_coef: got {coef}; {type(model).__name__} has no router "

@@ -71,8 +71,8 @@ class StandardTask(Task):
         self.chunked_head = head if isinstance(head, ChunkedLossHead) else None
         self._zero = torch.zeros((), dtype=torch.float64, device=state.device)
         self.toolkit = TaskToolkit(self.ctx, [self.model])
-        self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg)  # None for dense models
         plan = self.plan
+        self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg, plan.model_plan)  # None: dense
         # None without context parallel
         self.context = ContextParallel.build(self.model, plan.context, plan.model_plan, plan.facts, state)
         self.flops = StepFlops.of(self.model, plan)

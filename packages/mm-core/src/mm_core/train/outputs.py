@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mm_core.checkpoint import layout
 from mm_core.checkpoint.reader import raise_on_all_ranks
 from mm_core.config.schema import MMConfig
+from mm_core.data.plan import registered_data_plan
 from mm_core.errors import ConfigError
 
 log = logging.getLogger("mm")
@@ -37,32 +38,38 @@ def _has_wildcard(text: str) -> bool:
 
 
 def dataset_dirs(cfg: MMConfig) -> list[tuple[str, Path, bool]]:
-    """Folders the dataset reads from: ``(key, folder, recursive)``. ``dataset_dir``, a directory named in
-    ``dataset`` and the folder a ``**`` pattern searches are read recursively; a pattern such as
-    ``data/*.jsonl`` reads only the files directly in its folder."""
+    """Folders the dataset reads from, by the keys its :class:`~mm_core.data.plan.DataPlan` names:
+    ``(key, folder, recursive)``. The root folder (``root_key``), a directory named by a source key and the
+    folder a ``**`` pattern searches are read recursively; a pattern such as ``data/*.jsonl`` reads only the
+    files directly in its folder."""
+    from mm_core.registry import import_plugins
+
+    import_plugins(cfg.training.plugin)  # a dataset registered by a training.plugin module
+    plan = registered_data_plan(cfg.data.dataset_param.dataset_type)
     basic = cfg.data.dataset_param.basic_parameters
-    base = basic.get("dataset_dir")
+    base = basic.get(plan.root_key) if plan.root_key else None
     base = Path(base) if isinstance(base, str) and base else None
     found: list[tuple[str, Path, bool]] = []
     if base is not None:
-        found.append((f"{_BASIC}.dataset_dir", base, True))
-    spec: Any = basic.get("dataset")
-    entries = [spec] if isinstance(spec, str) else spec if isinstance(spec, list) else []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, str) or not entry:
-            continue
-        key = f"{_BASIC}.dataset" if isinstance(spec, str) else f"{_BASIC}.dataset[{i}]"
-        path = Path(entry)
-        if base is not None and not path.is_absolute():
-            path = base / path
-        if _has_wildcard(entry):
-            parts = path.parts
-            first = next(i for i, part in enumerate(parts) if _has_wildcard(part))
-            root = Path(*parts[:first]) if first else Path(".")
-            recursive = "**" in entry or first < len(parts) - 1
-            found.append((key, root, recursive))
-        elif path.is_dir():
-            found.append((key, path, True))
+        found.append((f"{_BASIC}.{plan.root_key}", base, True))
+    for name in plan.source_keys:
+        spec: Any = basic.get(name)
+        entries = [spec] if isinstance(spec, str) else spec if isinstance(spec, list) else []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, str) or not entry:
+                continue
+            key = f"{_BASIC}.{name}" if isinstance(spec, str) else f"{_BASIC}.{name}[{i}]"
+            path = Path(entry)
+            if base is not None and not path.is_absolute():
+                path = base / path
+            if _has_wildcard(entry):
+                parts = path.parts
+                first = next(i for i, part in enumerate(parts) if _has_wildcard(part))
+                root = Path(*parts[:first]) if first else Path(".")
+                recursive = "**" in entry or first < len(parts) - 1
+                found.append((key, root, recursive))
+            elif path.is_dir():
+                found.append((key, path, True))
     return found
 
 

@@ -3,7 +3,7 @@
 ``image_grid_thw``; an image becomes ``<|vision_start|>`` + N ``<|image_pad|>`` + ``<|vision_end|>``
 with N its merged patches (``grid_thw.prod() // merge²``, the ``Qwen3VLProcessor`` rule).
 
-The pixels and placeholders are :class:`mm_core.data.qwen_vl_images.QwenVLImages` (shared with mm-data-audio,
+The pixels and placeholders are :class:`mm_data_vlm.qwen_vl_images.QwenVLImages` (shared with mm-data-audio,
 whose Qwen3-Omni samples carry Qwen-VL images); this is the :class:`ImageFormat` around them."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mm_core.data.qwen_vl_images import IMAGE_PAD, VISION_END, VISION_START, QwenVLImages
+from mm_data_vlm.qwen_vl_images import IMAGE_PAD, VISION_END, VISION_START, QwenVLImages
 
 from . import ImageFormat
 

@@ -2,14 +2,14 @@
 
 ``data.dataset_param.basic_parameters``:
 
-- ``dataset``: a store folder or a list of them (:mod:`mm_models_cosyvoice.store`; every store of a run must
-  have the same ``speech_vocab``); ``weights``: optional mixing weights, one per store;
+- ``dataset``: a store folder or a list of them (:mod:`mm_data_audio.cosyvoice.store`; every store of a run
+  must have the same ``speech_vocab``); ``weights``: optional mixing weights, one per store;
 - ``stage``: ``lm``, ``flow`` or ``vocoder`` (what a sample holds, below);
 - ``segment_samples`` (vocoder): the crop length in samples, a multiple of 480 (default 24960 = 52 frames,
   upstream's); ``null`` trains on whole utterances;
 - ``bistream_prob`` (lm): the probability that an eligible sample trains bi-stream
-  (:mod:`mm_models_cosyvoice.sequence`; upstream 0.5; default 0: uni-stream only); ``mix_ratio`` (lm): text
-  and speech tokens per bi-stream block, default ``[5, 15]``.
+  (:mod:`mm_data_audio.cosyvoice.sequence`; upstream 0.5; default 0: uni-stream only); ``mix_ratio`` (lm):
+  text and speech tokens per bi-stream block, default ``[5, 15]``.
 
 ``data.dataset_param.preprocess_parameters`` (lm): ``model_name_or_path``, the local folder of the text
 tokenizer (CosyVoice3: the Qwen2 tokenizer of ``CosyVoice-BlankEN`` with CosyVoice3's special tokens
@@ -19,10 +19,10 @@ helpful assistant.<|endofprompt|>"``, the default; ``""`` for none).
 A sample, by stage:
 
 - ``lm``: ``input_ids``, ``speech_mask``, ``labels`` [N]: the assembled row of
-  :func:`~mm_models_cosyvoice.sequence.lm_sequence`;
+  :func:`~mm_data_audio.cosyvoice.sequence.lm_sequence`;
 - ``flow``: ``speech_tokens`` [S], ``mel`` [2S, 80], ``speaker`` [192] (zeros when the record has none);
 - ``vocoder``: ``audio`` [L] (a crop of ``segment_samples``, zero-padded when the utterance is shorter) and
-  ``mel`` [L / 480, 80], the crop's :func:`~mm_models_cosyvoice.audio.log_mel`;
+  ``mel`` [L / 480, 80], the crop's :func:`~mm_data_audio.cosyvoice.audio.log_mel`;
 
 each with ``noise_seed`` and ``sample_id``. **Seeds.** ``noise_seed`` is derived from the training seed,
 the epoch and the sample's index (:func:`noise_seed`; mm calls :meth:`CosyVoiceSpeechDataset.set_epoch`
@@ -50,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,7 @@ from mm_core.data.params import (
     paths,
     read_params,
 )
+from mm_core.data.plan import DataPlan
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import ConfigError, DataError
 from mm_core.train.loss import IGNORE_INDEX
@@ -163,6 +164,9 @@ def load_text_tokenizer(name_or_path: str | None) -> Any:
 
 class CosyVoiceSpeechDataset:
     """Map-style dataset over one or more speech stores, for one stage (module docstring)."""
+
+    #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
+    mm_data_plan: ClassVar[DataPlan] = DataPlan(source_keys=("dataset",), processor_key="model_name_or_path")
 
     def __init__(
         self,

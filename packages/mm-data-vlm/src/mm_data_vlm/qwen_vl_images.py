@@ -1,9 +1,8 @@
 """Qwen-VL images: pixel inputs and placeholder text, for every dataset that feeds a Qwen-VL vision tower.
 
-Here because two data plugins, which may not import each other, need exactly this: mm-data-vlm's Qwen-VL
-format (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) and mm-data-audio's images beside audio (Qwen3-Omni's
-thinker, whose ``preprocessor_config.json`` carries the image processor's keys beside the feature
-extractor's).
+Used by mm-data-vlm's Qwen-VL format (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) and, through its declared
+dependency on mm-data-vlm, by mm-data-audio's images beside audio (Qwen3-Omni's thinker, whose
+``preprocessor_config.json`` carries the image processor's keys beside the feature extractor's).
 
 transformers' own ``Qwen2VLImageProcessorPil`` (PIL, no torchvision) gives ``pixel_values``
 [patches, C·T·P²] and ``image_grid_thw`` [images, 3]; an image becomes ``<|vision_start|>`` + N

@@ -6,7 +6,7 @@ A *speech store* is a folder:
   ``audio`` (``wavs/<id>.wav``), ``speech_tokens`` (``tokens/<id>.npy``), ``mel`` (``mels/<id>.npy``) and,
   optionally, ``speaker`` (``spk/<id>.npy``); paths relative to the folder;
 - ``wavs/<id>.wav``: mono PCM16 at 24 kHz, a multiple of 960 samples long (two mel frames per token);
-- ``mels/<id>.npy``: float32 ``[T, 80]``, :func:`mm_models_cosyvoice.audio.log_mel` of the wave
+- ``mels/<id>.npy``: float32 ``[T, 80]``, :func:`mm_data_audio.cosyvoice.audio.log_mel` of the wave
   (``T = samples / 480``);
 - ``tokens/<id>.npy``: int64 ``[S]`` speech tokens at 25 Hz, ``S = T / 2``, in ``[0, speech_vocab)``;
 - ``spk/<id>.npy``: float32 ``[192]`` speaker embedding (CAM++ in CosyVoice3; the flow stage uses it when
@@ -102,7 +102,7 @@ def read_meta(root: str | Path) -> StoreMeta:
     path = Path(root) / META
     if not path.is_file():
         raise DataError(
-            f"{root}: no {META}; a speech store is written by mm_models_cosyvoice.store.write_store"
+            f"{root}: no {META}; a speech store is written by mm_data_audio.cosyvoice.store.write_store"
         )
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
@@ -136,7 +136,7 @@ def read_index(root: str | Path) -> list[SpeechRecord]:
     index = root / INDEX
     if not index.is_file():
         raise DataError(
-            f"{root}: no {INDEX}; a speech store is written by mm_models_cosyvoice.store.write_store"
+            f"{root}: no {INDEX}; a speech store is written by mm_data_audio.cosyvoice.store.write_store"
         )
     records: list[SpeechRecord] = []
     for where, obj in iter_store_index(index, ("text", "audio", "speech_tokens", "mel")):
@@ -255,7 +255,7 @@ def write_store(root: str | Path, utterances: Iterable[Utterance], speech_vocab:
     """Write a speech store at ``root`` (a new or empty folder) from ``utterances`` and return it.
 
     Each wave is resampled to 24 kHz and fitted (zero-padded or cut) to ``960 × len(speech_tokens)``
-    samples; its log-mel is computed with :func:`~mm_models_cosyvoice.audio.log_mel`. Raises ValueError
+    samples; its log-mel is computed with :func:`~mm_data_audio.cosyvoice.audio.log_mel`. Raises ValueError
     naming the utterance for a bad id (or a repeated one), tokens out of ``[0, speech_vocab)``, a wave more
     than two tokens longer or shorter than its tokens, or a speaker embedding that is not ``[192]``."""
     root = Path(root)

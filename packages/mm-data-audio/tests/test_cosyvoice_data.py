@@ -7,19 +7,19 @@ import json
 import numpy as np
 import pytest
 import torch
-from _cosy_fixtures import VOCAB, sine, store, tokenizer, utterances
+from _speech_fixtures import VOCAB, sine, store, tokenizer, utterances
 
 from mm_core.errors import ConfigError, DataError
-from mm_models_cosyvoice.audio import log_mel, mel_filterbank, read_wav
-from mm_models_cosyvoice.data import (
+from mm_data_audio.cosyvoice.audio import log_mel, mel_filterbank, read_wav
+from mm_data_audio.cosyvoice.data import (
     CosyVoiceFlowCollator,
     CosyVoiceLMCollator,
     CosyVoiceSpeechDataset,
     CosyVoiceVocoderCollator,
     noise_seed,
 )
-from mm_models_cosyvoice.sequence import lm_sequence
-from mm_models_cosyvoice.store import Utterance, read_index, read_meta, write_store
+from mm_data_audio.cosyvoice.sequence import lm_sequence
+from mm_data_audio.cosyvoice.store import Utterance, read_index, read_meta, write_store
 
 
 # ------------------------------------------------------------------------------------------------ log-mel
