@@ -5,7 +5,11 @@ process count; they join one process group and run the runs one after the other,
 worker runs it (:func:`mm_core.train.entry.run_worker`): the config loaded with the run's overrides, a
 ``Trainer`` set up from it (its own device meshes and groups, its seed) and trained, its checkpoint saver
 closed. The process group is destroyed once, after the last run: a group destroyed and made again in the same
-processes can pair one rank's collective with another's (seen with HSDP after an expert-parallel run)."""
+processes can pair one rank's collective with another's (seen with HSDP after an expert-parallel run).
+
+The processes are forked from a forkserver that imported torch, transformers and mm's trainer once for the
+whole test session (``MM_TEST_START_METHOD=spawn`` starts them as fresh interpreters instead); each worker
+takes the environment of the test that launched it, not the one the forkserver started with."""
 
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+START_METHOD = os.environ.get("MM_TEST_START_METHOD", "forkserver")
+#: what the forkserver imports once (its children start with these modules loaded)
+PRELOAD = ["torch", "torch.distributed", "transformers", "mm_core.train.trainer", "_launch"]
+mp.set_forkserver_preload(PRELOAD)
 
 #: (name, config path, overrides)
 Run = tuple[str, str, list[str]]
@@ -33,7 +42,9 @@ def _train(config: str, overrides: list[str]) -> None:
             trainer.saver.close()
 
 
-def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str) -> None:
+def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -74,10 +85,10 @@ def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) ->
     seconds for the whole launch."""
     context = mp.start_processes(
         _worker,
-        args=(nproc, _free_port(), runs, str(cwd)),
+        args=(nproc, _free_port(), runs, str(cwd), dict(os.environ)),
         nprocs=nproc,
         join=False,
-        start_method="spawn",
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
