@@ -1,5 +1,6 @@
 """Run several short trainings, one after the other, in the same N gloo processes (one process-group start-up
-for all of them), each from its own config file and overrides.
+for all of them), each from its own config file and overrides. The processes come from :mod:`_launch`'s
+forkserver.
 
 ``run_sequence(n, [(name, config, overrides), ...], out)`` returns, per run, the metrics records of rank 0
 plus ``head``: the chunked-loss head's class (``NoneType`` without one) and ``calls``: how many times the
@@ -15,13 +16,16 @@ import socket
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 from _mm import REPO
 
 COUNTED = "model.layers.0.self_attn"
 Run = tuple[str, str, list[str]]
 
 
-def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None:
+def _worker(rank: int, world: int, port: int, runs: list[Run], out: str, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the launching test's environment (a forkserver child starts with the server's)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -65,7 +69,6 @@ def _free_port() -> int:
 
 
 def run_sequence(world: int, runs: list[Run], out: str | Path) -> dict[str, dict]:
-    mp.start_processes(
-        _worker, args=(world, _free_port(), runs, str(out)), nprocs=world, start_method="spawn", join=True
-    )
+    args = (world, _free_port(), runs, str(out), dict(os.environ))
+    mp.start_processes(_worker, args=args, nprocs=world, start_method=START_METHOD, join=True)
     return json.loads(Path(out, "results.json").read_text(encoding="utf-8"))

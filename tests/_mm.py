@@ -49,22 +49,20 @@ def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -
 def train_layouts(
     tmp_path_factory, config: Path, layouts: list[tuple], common: list[str] = (), timeout: float = 600
 ) -> dict[str, list[dict]]:
-    """Train ``config`` once per ``(name, processes, overrides)`` layout; the metrics records by name."""
-    out = {}
+    """Train ``config`` once per ``(name, processes, overrides)`` layout; the metrics records by name.
+
+    The layouts that share a process count run in one launch of that many processes (one after the other,
+    each with its own process group, see :mod:`_launch`); ``timeout`` is per layout."""
+    from _launch import run_in_one_launch
+
+    dirs = {name: tmp_path_factory.mktemp(name) for name, _, _ in layouts}
+    by_nproc: dict[int, list] = {}
     for name, nproc, extra in layouts:
-        d = tmp_path_factory.mktemp(name)
-        mm(
-            "train",
-            str(config),
-            *common,
-            *extra,
-            f"training.output_dir={d}",
-            "--nproc-per-node",
-            str(nproc),
-            timeout=timeout,
-        )
-        out[name] = read_metrics(d)
-    return out
+        overrides = [*common, *extra, f"training.output_dir={dirs[name]}"]
+        by_nproc.setdefault(nproc, []).append((name, str(config), overrides))
+    for nproc, runs in by_nproc.items():
+        run_in_one_launch(nproc, runs, REPO, timeout * len(runs))
+    return {name: read_metrics(dirs[name]) for name, _, _ in layouts}
 
 
 def read_metrics(out_dir: Path) -> list[dict]:

@@ -8,6 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from _tiny import (
+    KIMI_K25_TEXT,
+    KIMI_K25_VISION,
+    MINIMAX_M3_TEXT,
+    MINIMAX_M3_VISION,
+    STEP3P7_TEXT,
+    STEP3P7_VISION,
+)
 
 from mm_data_vlm.processor_build import build_qwen_vl_processor
 
@@ -147,40 +155,11 @@ def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
 #: the other vision-language families' tiny assets: image processor configuration, image tokens, and the model
 #: config (as model.config_overrides) given the tokenizer's ids. Each runs the same records as make_assets.
 def _kimi(ids: dict[str, int]) -> dict:
-    """3 decoder layers, the first dense; 4 routed experts top-2 and a shared expert; multi-head latent
-    attention with values wider than queries/keys (12 vs 4 + 4: the padding of mm's context-parallel
-    kernel)."""
+    """The tiny Kimi K2.5 of :mod:`_tiny`, with values wider than queries/keys (12 vs 4 + 4: the padding of
+    mm's context-parallel kernel) and an 8 x 8 position-embedding grid."""
     return {
-        "text_config": {
-            "vocab_size": ids["vocab"],
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "num_hidden_layers": 3,
-            "first_k_dense_replace": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 4,
-            "qk_rope_head_dim": 4,
-            "head_dim": 4,
-            "v_head_dim": 12,
-        },
-        "vision_config": {
-            "patch_size": 14,
-            "num_hidden_layers": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_attention_heads": 2,
-            "pos_emb_height": 8,
-            "pos_emb_width": 8,
-        },
+        "text_config": {**KIMI_K25_TEXT, "vocab_size": ids["vocab"], "v_head_dim": 12},
+        "vision_config": {**KIMI_K25_VISION, "pos_emb_height": 8, "pos_emb_width": 8},
         "projection_hidden_size": 32,
         "image_token_id": ids["<|media_pad|>"],
         "tie_word_embeddings": True,
@@ -188,68 +167,20 @@ def _kimi(ids: dict[str, int]) -> dict:
 
 
 def _step(ids: dict[str, int]) -> dict:
-    """Layer 0 dense, layer 1 4 routed experts top-2 (SwiGLU clamp 7) and a shared expert; 32² global view
-    and 16² crops over ViT patches of 4 (4 image tokens per view, 1 per crop)."""
+    """The tiny Step3p7 of :mod:`_tiny`: 32² global view and 16² crops over ViT patches of 4 (4 image tokens
+    per view, 1 per crop)."""
     return {
-        "text_config": {
-            "vocab_size": ids["vocab"],
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "mlp_layer_types": ["dense", "sparse"],
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "share_expert_dim": 16,
-            "swiglu_limits": [0, 7.0],
-            "sliding_window": 512,  # required by transformers' mask code although every layer is full
-        },
-        "vision_config": {
-            "hidden_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "mlp_ratio": 2.0,
-            "image_size": 32,
-            "patch_size": 4,
-        },
+        "text_config": {**STEP3P7_TEXT, "vocab_size": ids["vocab"]},
+        "vision_config": dict(STEP3P7_VISION),
         "image_token_id": ids["<im_patch>"],
     }
 
 
 def _minimax(ids: dict[str, int]) -> dict:
-    """A full-attention layer, then a sparse one (lightning indexer: blocks of 4 tokens, 2 kept per query);
-    layer 0 dense, layer 1 4 routed experts top-2 (clamped activation) and a shared expert."""
+    """The tiny MiniMax-M3-VL of :mod:`_tiny`."""
     return {
-        "text_config": {
-            "vocab_size": ids["vocab"],
-            "hidden_size": 32,
-            "intermediate_size": 16,
-            "dense_intermediate_size": 32,
-            "shared_intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "index_n_heads": 2,
-            "index_head_dim": 8,
-            "index_block_size": 4,
-            "index_topk_blocks": 2,
-            "index_local_blocks": 1,
-            "layer_types": ["full_attention", "minimax_m3_sparse"],
-            "mlp_layer_types": ["dense", "sparse"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        },
-        "vision_config": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
+        "text_config": {**MINIMAX_M3_TEXT, "vocab_size": ids["vocab"]},
+        "vision_config": dict(MINIMAX_M3_VISION),
         "image_token_index": ids["]<]image[>["],
         "video_token_index": ids["]<]video[>["],
         "projector_hidden_size": 32,

@@ -10,25 +10,14 @@ from __future__ import annotations
 import pytest
 import yaml
 from _mm import QUICKSTART, assert_close_series, train_layouts
+from _tiny import QWEN3_MOE
 
 STEPS = 10
 CLIP = 0.5
 MOE_MODEL = {
     "model_id": "qwen3_moe",
     "from_scratch": True,
-    "config_overrides": {
-        "vocab_size": 4096,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": True,
-    },
+    "config_overrides": dict(QWEN3_MOE),
     "loss_cfg": {"loss_type": "per_token_loss", "router_aux_loss_coef": 0.02},
 }
 

@@ -3,7 +3,7 @@ shared expert) trains the same with EP=2 on 2 ranks as in 1 process: 3 steps, fp
 
 from __future__ import annotations
 
-from _mm import assert_close_series, mm, read_metrics
+from _mm import assert_close_series, train_layouts
 from test_ep_parity import COMMON, moe_config
 
 MODEL = {
@@ -31,17 +31,14 @@ MODEL = {
 }
 
 
-def test_qwen3_5_moe_text_expert_parallel_matches_single_process(tmp_path):
-    cfg = moe_config(tmp_path, MODEL)
+def test_qwen3_5_moe_text_expert_parallel_matches_single_process(tmp_path_factory):
+    cfg = moe_config(tmp_path_factory.mktemp("cfg"), MODEL)
     common = [c for c in COMMON if not c.startswith("training.train_iters")] + ["training.train_iters=3"]
-    runs = {}
-    for name, nproc, extra in [
+    layouts = [
         ("single", 1, ["training.micro_batch_size=2"]),
         ("ep2", 2, ["training.micro_batch_size=1", "parallel.expert_parallel_size=2"]),
-    ]:
-        mm("train", str(cfg), *common, *extra, f"training.output_dir={tmp_path / name}",
-           "--nproc-per-node", str(nproc))  # fmt: skip
-        runs[name] = read_metrics(tmp_path / name)
+    ]
+    runs = train_layouts(tmp_path_factory, cfg, layouts, common)
     for key in ("loss", "aux_loss", "grad_norm"):
         a, b = [r[key] for r in runs["single"]], [r[key] for r in runs["ep2"]]
         assert_close_series(a, b, 1e-5, f"qwen3_5_moe_text {key}")

@@ -7,7 +7,7 @@ within 1e-5 relative."""
 from __future__ import annotations
 
 import pytest
-from _mm import assert_close_series, mm, read_metrics, train_layouts
+from _mm import assert_close_series, train_layouts
 from _vlm import make_assets
 
 STEPS = 10
@@ -21,12 +21,16 @@ LAYOUTS = [
     ("fsdp2", 2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
 ]
 CONTEXT = {"ulysses2": "parallel.ulysses_parallel_size=2", "ring2": "parallel.ring_attention_size=2"}
+LAYOUTS += [
+    (name, 2, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2", option])
+    for name, option in CONTEXT.items()
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cfg = make_assets(tmp_path_factory.mktemp("vlm_assets"))
-    return {"cfg": cfg, **train_layouts(tmp_path_factory, cfg, LAYOUTS, timeout=120)}
+    return train_layouts(tmp_path_factory, cfg, LAYOUTS, timeout=120)
 
 
 @pytest.mark.slow
@@ -53,18 +57,8 @@ def test_loss_falls(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONTEXT))
-def test_context_parallel_with_images_matches_single_process(runs, tmp_path, name):
-    extra = ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2", CONTEXT[name]]
-    mm(
-        "train",
-        str(runs["cfg"]),
-        *extra,
-        f"training.output_dir={tmp_path}",
-        "--nproc-per-node",
-        "2",
-        timeout=120,
-    )
-    ref, got = runs["single"], read_metrics(tmp_path)
+def test_context_parallel_with_images_matches_single_process(runs, name):
+    ref, got = runs["single"], runs[name]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert_close_series([r["loss"] for r in ref], [r["loss"] for r in got], 1e-5, f"{name} loss")
     assert_close_series(

@@ -12,18 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
+from _tiny import QWEN3
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO_ROOT / "examples" / "quickstart"
-TINY_QWEN = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-}
+TINY_QWEN = dict(QWEN3)
 
 
 def base_config(model_dir: Path | str, out_dir: Path | str) -> dict[str, Any]:

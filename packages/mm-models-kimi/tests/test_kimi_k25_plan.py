@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import KIMI_K25_TEXT, KIMI_K25_VISION
 from transformers import Kimi_K25ForConditionalGeneration
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3MoE
 
@@ -20,39 +21,9 @@ from mm_parallel.moe import ExpertParallelExperts, swap_experts
 from mm_parallel.patterns import match_modules
 
 IMAGE, VIDEO, START, END, CONTENT = 120, 121, 122, 123, 124
-#: 3 decoder layers, the first dense; 4 routed experts top-2 and 1 shared expert; MLA with a q LoRA rank;
-#: qk head dim (4 + 4) = v head dim 8. head_dim is DeepSeek-V3's rotary dim and must follow qk_rope_head_dim
-#: (the config derives it only at construction).
-TEXT = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 3,
-    "first_k_dense_replace": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 4,
-    "qk_rope_head_dim": 4,
-    "head_dim": 4,
-    "v_head_dim": 8,
-}
-VISION = {
-    "patch_size": 14,
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 2,
-    "pos_emb_height": 4,
-    "pos_emb_width": 4,
-}
+#: the tiny Kimi K2.5 of _tiny (3 decoder layers, the first dense; MLA; 4 routed experts and a shared one)
+TEXT = {**KIMI_K25_TEXT, "vocab_size": 128}
+VISION = dict(KIMI_K25_VISION)
 OVERRIDES = {
     "text_config": TEXT,
     "vision_config": VISION,

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _tiny import MINIMAX_M3_TEXT, MINIMAX_M3_VISION
 from torch.distributed.device_mesh import init_device_mesh
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLExperts, MiniMaxM3VLIndexer
@@ -32,30 +33,8 @@ from mm_parallel.patterns import match_modules
 IMAGE, VIDEO = 120, 121
 #: two decoder layers: 0 = full attention + dense MLP, 1 = sparse attention (indexer) + MoE (4 experts,
 #: top-2, one shared expert); 20-token sequences span 5 key blocks of 4, of which each query keeps 2
-TEXT = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 16,
-    "dense_intermediate_size": 32,
-    "shared_intermediate_size": 16,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "index_n_heads": 2,
-    "index_head_dim": 8,
-    "index_block_size": 4,
-    "index_topk_blocks": 2,
-    "index_local_blocks": 1,
-    "layer_types": ["full_attention", "minimax_m3_sparse"],
-    "mlp_layer_types": ["dense", "sparse"],
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+TEXT = {**MINIMAX_M3_TEXT, "vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2}
+VISION = dict(MINIMAX_M3_VISION)
 OVERRIDES = {
     "text_config": TEXT,
     "vision_config": VISION,

@@ -1,4 +1,5 @@
-"""Run a test function on N real gloo ranks (torch.multiprocessing spawn, file rendezvous)."""
+"""Run a test function on N real gloo ranks (processes from the test session's forkserver, see
+``tests/_launch.py``; file rendezvous)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 
 
 def _worker(
@@ -19,7 +21,10 @@ def _worker(
     world_size: int,
     init_file: str,
     args: tuple[Any, ...],
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the launching test's environment (a forkserver child starts with the server's)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -36,10 +41,10 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, timeout: flo
         init_file = os.path.join(tmp, "rendezvous")
         context = mp.start_processes(
             _worker,
-            args=(fn, world_size, init_file, args),
+            args=(fn, world_size, init_file, args, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1.0):

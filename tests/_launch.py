@@ -1,0 +1,100 @@
+"""Run several ``mm train`` runs in ONE launch of N local gloo processes.
+
+The processes, and their import of torch, transformers and mm, start once for all the runs that share a
+process count; they join one process group and run the runs one after the other, each as an ``mm train``
+worker runs it (:func:`mm_core.train.entry.run_worker`): the config loaded with the run's overrides, a
+``Trainer`` set up from it (its own device meshes and groups, its seed) and trained, its checkpoint saver
+closed. The process group is destroyed once, after the last run: a group destroyed and made again in the same
+processes can pair one rank's collective with another's (seen with HSDP after an expert-parallel run).
+
+The processes are forked from a forkserver that imported torch, transformers and mm's trainer once for the
+whole test session (``MM_TEST_START_METHOD=spawn`` starts them as fresh interpreters instead); each worker
+takes the environment of the test that launched it, not the one the forkserver started with."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+START_METHOD = os.environ.get("MM_TEST_START_METHOD", "forkserver")
+#: what the forkserver imports once (its children start with these modules loaded)
+PRELOAD = ["torch", "torch.distributed", "transformers", "mm_core.train.trainer", "_launch"]
+mp.set_forkserver_preload(PRELOAD)
+
+#: (name, config path, overrides)
+Run = tuple[str, str, list[str]]
+
+
+def _train(config: str, overrides: list[str]) -> None:
+    from mm_core.config import load_config
+    from mm_core.train.trainer import Trainer
+
+    trainer = Trainer(load_config(config, overrides), config).setup()
+    try:
+        trainer.train()
+    finally:
+        if trainer.saver is not None:
+            trainer.saver.close()
+
+
+def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    torch.set_num_threads(1)
+    os.chdir(cwd)
+    try:
+        for name, config, overrides in runs:
+            try:
+                _train(config, overrides)
+            except Exception as exc:
+                raise RuntimeError(f"run {name!r} failed on rank {rank} of {world}") from exc
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) -> None:
+    """Run ``runs`` in order on ``nproc`` processes started once; fail on any error or after ``timeout``
+    seconds for the whole launch."""
+    context = mp.start_processes(
+        _worker,
+        args=(nproc, _free_port(), runs, str(cwd), dict(os.environ)),
+        nprocs=nproc,
+        join=False,
+        start_method=START_METHOD,
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            names = ", ".join(name for name, *_ in runs)
+            raise TimeoutError(f"runs {names} on {nproc} processes did not finish in {timeout:.0f} s")
