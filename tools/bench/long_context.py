@@ -50,8 +50,14 @@ def _worker(
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mm_core.config.schema import ParallelConfig
-    from mm_core.parallel.context import ContextParallel, use_context_parallel_attention
+    from mm_core.config.schema import ModelConfig, ParallelConfig
+    from mm_core.models.facts import ModelFacts
+    from mm_core.models.plan import plan_of
+    from mm_core.parallel.context import (
+        ContextParallel,
+        plan_context_parallel,
+        use_context_parallel_attention,
+    )
     from mm_core.parallel.state import init_parallel_state
     from mm_core.train.loss import loss_sum, shift_labels
 
@@ -75,10 +81,10 @@ def _worker(
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     context = None
     if ring * ulysses > 1:
-        stub = argparse.Namespace(
-            model=argparse.Namespace(model_id="qwen3", loss_cfg=argparse.Namespace(loss_type=""))
-        )
-        use_context_parallel_attention(model, stub, state.sizes)
+        mcfg = ModelConfig(model_id="qwen3", loss_cfg={"loss_type": "per_token_loss"})
+        facts = ModelFacts.of(model)
+        cp = plan_context_parallel(model, facts, plan_of(model), mcfg, state.sizes)
+        use_context_parallel_attention(model, cp, facts)
         context = ContextParallel(state)
     ids = torch.randint(0, config.vocab_size, (1, args["seq"]), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "position_ids": torch.arange(args["seq"])[None]}
