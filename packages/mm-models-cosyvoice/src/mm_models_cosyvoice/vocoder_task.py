@@ -31,11 +31,11 @@ each turn), and every loss is a mean over samples (TPR per sample, see
 :mod:`mm_models_cosyvoice.vocoder_losses`), so with equal micro-batch sizes per rank FSDP's averaged
 gradient is the global batch's: 1 or N ranks train the same models, and a resume continues exactly.
 
-**Clipping and non-finite steps.** Each turn clips its own model's gradients to ``training.clip_grad``
-(global norm over the sharded parameters). The official loop clips over both models' parameters; in the
-generator turn that norm also counts the discriminator gradients it then discards, here it does not. A turn
-whose gradient norm is not finite skips that update and its lr step (counted against
-``training.skip_nonfinite_steps``, else the run stops), as the official loop skips it.
+**Clipping and non-finite steps** (mm's :class:`~mm_core.tasks.TaskToolkit`). Each turn clips its own
+model's gradients to ``training.clip_grad`` (global norm over the sharded parameters). The official loop
+clips over both models' parameters; in the generator turn that norm also counts the discriminator gradients
+it then discards, here it does not. A turn whose gradient norm is not finite skips that update and its lr
+step (counted against ``training.skip_nonfinite_steps``, else the run stops), as the official loop skips it.
 
 ``training.task_param`` (unknown keys are errors): ``discriminator`` (its ``config_overrides``, see
 :class:`~mm_models_cosyvoice.discriminator.DiscriminatorConfig`), ``discriminator_lr`` (default

@@ -12,7 +12,8 @@ A task is a class ``Task(ctx)``; mm calls, in order:
 
 1. :meth:`Task.build` once: build and shard the models, build the optimizers and schedulers, return them as
    :class:`TaskParts`. ``parts.models["model"]`` is the run's main model (the one ``mm convert dcp-to-hf``
-   exports); other models are stored in the checkpoint under their own names.
+   exports); other models are stored in the checkpoint under their own names. A line the task wants shown
+   once the run is set up goes in :attr:`Task.setup_note`.
 2. :meth:`Task.after_load` after a checkpoint was loaded into the parts (resume).
 3. per step, :meth:`Task.train_step` with the step's micro-batches: forward, backward, optimizer steps.
    It returns a :class:`StepResult`: the step's metrics, global over ranks (the same on every rank):
