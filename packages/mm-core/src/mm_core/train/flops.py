@@ -6,8 +6,8 @@ matrix product, so 6; attention scores and their weighted sum on top), taken fro
 - **text**: every 2-D-or-more weight of the language model (attention, dense and shared-expert MLPs, routers,
   the output head) counts 6 per token; the token embedding does not (a lookup), unless the head is tied to
   it (then it counts once, as the head). Routed experts (``ModelPlan.expert_modules``) count only the share a
-  token uses, ``top_k / experts`` (``num_experts_per_tok`` over ``num_experts`` / ``n_routed_experts`` of the
-  text config).
+  token uses, ``top_k / experts`` (the model facts' experts per token over routed experts,
+  :class:`~mm_core.models.facts.ModelFacts`).
 - **attention**: ``12 × layers × (heads × head_dim) × context`` per token, with the context of a causal token
   half the micro-batch's (padded) sequence length.
 - **vision**: the weights of the vision tower's units (``ModelPlan.fsdp_units`` outside
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mm_core.models.facts import text_config_of
+from mm_core.models.facts import ModelFacts
 from mm_core.models.plan import plan_of
 from mm_parallel.patterns import match_modules
 
@@ -87,10 +87,10 @@ class StepFlops:
         """Count ``model`` (built, sharded or not) and hook its vision units. ``plan``: the model's build plan
         (its model plan, facts and default-plan matches are read from it); None resolves them here."""
         if plan is not None:
-            mplan, text_config = plan.model_plan, plan.facts.text_config
+            mplan, facts = plan.model_plan, plan.facts
             routed, units = plan.default_experts, plan.default_units
         else:
-            mplan, text_config = plan_of(model), text_config_of(model)
+            mplan, facts = plan_of(model), ModelFacts.of(model)
             routed = _matched(model, mplan.expert_modules)
             units = _matched(model, mplan.fsdp_units)
         split = mplan.cp_split_module
@@ -110,17 +110,10 @@ class StepFlops:
         text = float(sum(counted.values()))
         if mplan.expert_modules:
             experts = sum(_numel(model.get_submodule(name)) for name in routed)
-            total = getattr(text_config, "num_experts", None) or getattr(
-                text_config, "n_routed_experts", None
-            )
-            top_k = getattr(text_config, "num_experts_per_tok", None)
+            total, top_k = facts.num_experts, facts.experts_per_token
             if experts and total and top_k:
                 text -= experts * (1.0 - float(top_k) / float(total))
-        heads = int(getattr(text_config, "num_attention_heads", 0) or 0)
-        head_dim = getattr(text_config, "head_dim", None) or (
-            int(getattr(text_config, "hidden_size", 0) or 0) // max(heads, 1)
-        )
-        layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+        heads, head_dim, layers = facts.num_heads, facts.head_dim, facts.num_layers
         vision: list[tuple[nn.Module, int]] = []
         if split:
             prefix = split + "."
