@@ -1,5 +1,5 @@
 """``mm check`` names the parameters that train nothing: frozen ones with their reason (``model.freeze`` or
-the model's own ``mm_frozen_reasons``), and, with ``--grad-probe``, trainable ones that one micro-batch of
+the model plan's ``frozen_reasons``), and, with ``--grad-probe``, trainable ones that one micro-batch of
 the configured data gives no gradient (a toy model with an unused module)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from mm_core.check import NOT_PROBED, run_check
 from mm_core.cli import build_parsers
 from mm_core.config.loader import validate_config
-from mm_core.models import BaseModel, ModelArguments
+from mm_core.models import BaseModel, ModelArguments, ModelPlan
 from mm_core.models.nograd import frozen_groups, path_shape, probe_gradients
 from mm_core.registry import data_register, model_register
 
@@ -33,7 +33,9 @@ class _Block(nn.Module):
 
 @model_register.register("test_nograd_toy")
 class ToyModel(nn.Module, BaseModel):
-    mm_frozen_reasons: ClassVar[dict[str, str]] = {"layers.{*}.selector": "selects, is never trained"}
+    mm_plan: ClassVar[ModelPlan] = ModelPlan(
+        frozen_reasons=(("layers.{*}.selector", "selects, is never trained"),)
+    )
 
     def __init__(self) -> None:
         super().__init__()

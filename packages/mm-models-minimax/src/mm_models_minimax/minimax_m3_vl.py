@@ -16,7 +16,7 @@ reduction, no Muon decision) and one log line says so. There is no switch to tra
 indices as the only output there is nothing a gradient could flow through. Frozen, they keep their loaded
 values (fine-tuning from a checkpoint keeps its trained selection); from scratch they stay at their
 random initialisation, which selects blocks by fixed random projections. ``mm check`` lists them with
-this reason (:attr:`MiniMaxM3VLForTraining.mm_frozen_reasons`).
+this reason (:attr:`ModelPlan.frozen_reasons` of its plan).
 """
 
 from __future__ import annotations
@@ -120,9 +120,8 @@ class MiniMaxM3VLForTraining(MiniMaxM3SparseForConditionalGeneration):
         ),
         output_head="lm_head",
         init_weights=init_minimax_m3_vl,
+        frozen_reasons=((INDEXER, INDEXER_REASON),),
     )
-    #: module pattern -> why the model freezes its parameters; ``mm check`` prints it beside them
-    mm_frozen_reasons: ClassVar[dict[str, str]] = {INDEXER: INDEXER_REASON}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

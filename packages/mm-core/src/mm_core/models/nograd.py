@@ -6,9 +6,8 @@ a sign of a branch the loss never reaches; a frozen one should say why. Two repo
 
 - :func:`describe_frozen` (free, on the meta-built model ``mm check`` already has): every parameter with
   ``requires_grad=False``, grouped by module path shape, with its reason: ``model.freeze`` (the YAML) or the
-  model class's own policy. A class that freezes parameters itself names them and says why in
-  ``mm_frozen_reasons: ClassVar[dict[str, str]]`` (module pattern -> reason), e.g. MiniMax-M3-VL's
-  sparse-attention indexers.
+  model class's own policy. A class that freezes parameters itself names them and says why in its plan's
+  ``ModelPlan.frozen_reasons`` (module pattern, reason), e.g. MiniMax-M3-VL's sparse-attention indexers.
 - :func:`probe_gradients` (``mm check --grad-probe``): one forward and backward of a real micro-batch on a
   materialised model, with the loss the trainer uses; lists the trainable parameters whose ``.grad`` stays
   None. Which parameters receive a gradient does not depend on their values, so a random initialisation
@@ -19,17 +18,16 @@ a sign of a branch the loss never reaches; a frozen one should say why. Two repo
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from mm_core.models.plan import plan_of
 from mm_parallel.patterns import ModulePattern
 
-#: the class attribute in which a model names the parameters it freezes itself: module pattern -> reason
-FROZEN_REASONS_ATTR = "mm_frozen_reasons"
 #: the reason of parameters frozen by ``model.freeze``
 YAML_FREEZE = "model.freeze"
 #: the reason of parameters frozen because LoRA trains only its adapters
@@ -69,8 +67,7 @@ def frozen_groups(
     """The parameters with ``requires_grad=False``, grouped with their reason. ``yaml_frozen``: the module
     names ``model.freeze`` matched (what ``apply_freeze`` returns); ``lora_adapted``: the modules that got
     LoRA adapters (``training.lora``: every other parameter is frozen)."""
-    declared: Mapping[str, str] = getattr(type(model), FROZEN_REASONS_ATTR, None) or {}
-    patterns = [(ModulePattern(p), p, r) for p, r in declared.items()]
+    patterns = [(ModulePattern(p), p, r) for p, r in plan_of(model).frozen_reasons]
     by_yaml = sorted(yaml_frozen, key=len, reverse=True)  # the innermost frozen module names the group
     owner = type(model).__name__
     entries: list[tuple[str, str, int, str]] = []

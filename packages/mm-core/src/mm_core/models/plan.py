@@ -60,6 +60,9 @@ class ModelPlan:
     #: sigmoid scores with a bias-corrected top-k": a non-zero coefficient is refused with it. None: the loss
     #: applies when the text config has ``num_experts`` and ``num_experts_per_tok``
     router_loss_refusal: str | None = None
+    #: ``(module pattern, reason)`` pairs: parameters the model class freezes itself (``requires_grad`` off
+    #: in its constructor) and why; ``mm check`` prints the reason beside them
+    frozen_reasons: tuple[tuple[str, str], ...] = ()
     #: ``hook(model)``, run after the model's own ``init_weights()`` when it is built on the meta device:
     #: initialises what mm put into the model (e.g. :func:`init_expert_adapters`)
     init_weights: Callable[[nn.Module], None] | None = None
