@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from _launch import START_METHOD
+from _launch import START_METHOD, free_port
 from _mm import REPO
 
 COUNTED = "model.layers.0.self_attn"
@@ -62,13 +61,7 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], out: str, env: di
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_sequence(world: int, runs: list[Run], out: str | Path) -> dict[str, dict]:
-    args = (world, _free_port(), runs, str(out), dict(os.environ))
+    args = (world, free_port(), runs, str(out), dict(os.environ))
     mp.start_processes(_worker, args=args, nprocs=world, start_method=START_METHOD, join=True)
     return json.loads(Path(out, "results.json").read_text(encoding="utf-8"))

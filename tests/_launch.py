@@ -73,11 +73,24 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: di
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback address, for a launch's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def join_within(context: mp.ProcessContext, timeout: float, what: str) -> None:
+    """Wait for the processes of ``context`` (a worker's error is raised again here); after ``timeout``
+    seconds kill the ones still alive and raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{what} did not finish in {timeout:.0f} s")
 
 
 def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) -> None:
@@ -85,16 +98,10 @@ def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) ->
     seconds for the whole launch."""
     context = mp.start_processes(
         _worker,
-        args=(nproc, _free_port(), runs, str(cwd), dict(os.environ)),
+        args=(nproc, free_port(), runs, str(cwd), dict(os.environ)),
         nprocs=nproc,
         join=False,
         start_method=START_METHOD,
     )
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            names = ", ".join(name for name, *_ in runs)
-            raise TimeoutError(f"runs {names} on {nproc} processes did not finish in {timeout:.0f} s")
+    names = ", ".join(name for name, *_ in runs)
+    join_within(context, timeout, f"runs {names} on {nproc} processes")

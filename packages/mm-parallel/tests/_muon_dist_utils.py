@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _launch import START_METHOD
+from _launch import START_METHOD, join_within
 
 
 def _worker(
@@ -46,13 +45,7 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, timeout: flo
             join=False,
             start_method=START_METHOD,
         )
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
+        join_within(context, timeout, f"{fn.__name__} on {world_size} ranks")
 
 
 def reference_muon(
