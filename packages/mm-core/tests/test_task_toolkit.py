@@ -4,9 +4,9 @@ faked)."""
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import base_config
 from mm_core.config import validate_config
 from mm_core.errors import ConfigError, NonFiniteError
 from mm_core.tasks import TaskContext, TaskToolkit
@@ -30,8 +29,8 @@ def group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _ctx(tmp_path: Path, **training: Any) -> TaskContext:
-    raw = base_config(tmp_path / "model", tmp_path / "out")
+def _ctx(good_raw: dict[str, Any], **training: Any) -> TaskContext:
+    raw = copy.deepcopy(good_raw)  # the package's base config (conftest): tiny qwen3, quickstart text
     raw["training"].update(training)
     state: Any = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
     return TaskContext(cfg=validate_config(raw), state=state, load_path=None)
@@ -67,8 +66,8 @@ def test_sum_over_ranks_keeps_names_and_shapes_in_one_buffer(group: None) -> Non
         sum_over_ranks({})
 
 
-def test_clip_is_the_global_norm_of_the_trainable_parameters(tmp_path: Path, group: None) -> None:
-    toolkit = TaskToolkit(_ctx(tmp_path, clip_grad=0.5), [])
+def test_clip_is_the_global_norm_of_the_trainable_parameters(good_raw: dict[str, Any], group: None) -> None:
+    toolkit = TaskToolkit(_ctx(good_raw, clip_grad=0.5), [])
     model, reference = _model_with_grads(), _model_with_grads()
     model.bias.requires_grad_(False)  # a frozen parameter is neither counted nor clipped
     reference.bias.grad = None
@@ -78,8 +77,10 @@ def test_clip_is_the_global_norm_of_the_trainable_parameters(tmp_path: Path, gro
     torch.testing.assert_close(model.weight.grad, reference.weight.grad)
 
 
-def test_update_steps_or_skips_a_non_finite_step_within_the_budget(tmp_path: Path, group: None) -> None:
-    toolkit = TaskToolkit(_ctx(tmp_path, skip_nonfinite_steps=1), [])
+def test_update_steps_or_skips_a_non_finite_step_within_the_budget(
+    good_raw: dict[str, Any], group: None
+) -> None:
+    toolkit = TaskToolkit(_ctx(good_raw, skip_nonfinite_steps=1), [])
     model = _model_with_grads()
     before = model.weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -94,19 +95,19 @@ def test_update_steps_or_skips_a_non_finite_step_within_the_budget(tmp_path: Pat
         toolkit.update(opt, sched, step=3, grad_norm=1.0, loss=float("inf"))
 
 
-def test_no_skipped_count_without_skip_nonfinite_steps(tmp_path: Path, group: None) -> None:
-    toolkit = TaskToolkit(_ctx(tmp_path), [])
+def test_no_skipped_count_without_skip_nonfinite_steps(good_raw: dict[str, Any], group: None) -> None:
+    toolkit = TaskToolkit(_ctx(good_raw), [])
     assert toolkit.nonfinite_metrics() == {}
 
 
-def test_load_and_save_checks_cover_every_model(tmp_path: Path, group: None) -> None:
+def test_load_and_save_checks_cover_every_model(good_raw: dict[str, Any], group: None) -> None:
     good, bad = nn.Linear(2, 2), nn.Linear(2, 2)
     with torch.no_grad():
         bad.weight[0, 0] = float("nan")
-    toolkit = TaskToolkit(_ctx(tmp_path, init_model_with_meta_device=True), [good, bad])
+    toolkit = TaskToolkit(_ctx(good_raw, init_model_with_meta_device=True), [good, bad])
     with pytest.raises(NonFiniteError, match=r"the weights are not finite \(weight\)"):
         toolkit.before_save(4)
     with pytest.raises(ConfigError, match="1 tensors were left uninitialised after building on meta: weight"):
         toolkit.after_load()
-    TaskToolkit(_ctx(tmp_path), [good, bad]).after_load()  # without meta init there is nothing to check
-    TaskToolkit(_ctx(tmp_path), [good]).before_save(4)
+    TaskToolkit(_ctx(good_raw), [good, bad]).after_load()  # without meta init there is nothing to check
+    TaskToolkit(_ctx(good_raw), [good]).before_save(4)
