@@ -35,7 +35,8 @@ PINS=()
 if [[ "$MM_DEPS" == pinned ]]; then PINS=(-c constraints.txt); else PINS=(--upgrade --upgrade-strategy eager); fi
 "${PIP[@]}" install --upgrade pip >/dev/null
 "${PIP[@]}" install "torch==2.13.0"
-"${PIP[@]}" install "${PINS[@]}" \
+# torch stays the CPU build 2.13.0 in both modes (an eager upgrade would pull the newest CUDA build)
+"${PIP[@]}" install "${PINS[@]}" "torch==2.13.0" \
   -e packages/mm-parallel -e "packages/mm-core[lora]" -e packages/mm-models-qwen -e packages/mm-data-text \
   -e packages/mm-data-vlm -e packages/mm-models-kimi -e packages/mm-models-minimax \
   -e packages/mm-models-step -e packages/mm-data-audio \
