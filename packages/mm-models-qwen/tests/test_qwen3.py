@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tiny import QWEN3
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mm_core.config.schema import ModelConfig
@@ -16,15 +17,7 @@ from mm_core.registry import model_register
 from mm_models_qwen.qwen3 import Qwen3ForTraining
 from mm_parallel.patterns import match_modules
 
-TINY = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-}
+TINY = QWEN3  # the shared tiny Qwen3 (tests/_tiny.py)
 
 
 @pytest.fixture(scope="module")
