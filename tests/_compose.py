@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from _launch import START_METHOD, free_port
+from _launch import START_METHOD, enter_rank, free_port
 from _mm import REPO
 
 COUNTED = "model.layers.0.self_attn"
@@ -23,16 +23,7 @@ Run = tuple[str, str, list[str]]
 
 
 def _worker(rank: int, world: int, port: int, runs: list[Run], out: str, env: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(env)  # the launching test's environment (a forkserver child starts with the server's)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    enter_rank(rank, world, port, env)
     import torch
     import torch.distributed as dist
 

@@ -42,9 +42,13 @@ def _train(config: str, overrides: list[str]) -> None:
             trainer.saver.close()
 
 
-def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(env)
+def enter_rank(rank: int, world: int, port: int, env: dict[str, str] | None = None) -> None:
+    """The environment of one launched test process: ``env`` (the launching test's; a forkserver child
+    starts with the server's) when given, plus the torchrun variables of ``rank`` of ``world`` on this
+    machine and one thread."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -55,6 +59,10 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: di
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+
+
+def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: dict[str, str]) -> None:
+    enter_rank(rank, world, port, env)
     import torch
     import torch.distributed as dist
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from _launch import enter_rank, free_port
 from torch import nn
 
 from mm_core.check import run_check
@@ -160,14 +159,7 @@ class _SavedActivations:
 
 
 def _worker(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    enter_rank(rank, world, port)
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -219,11 +211,8 @@ def test_compiled_fsdp_with_recompute_matches_eager(
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         runs.append((name, str(path)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     mp.start_processes(
-        _worker, args=(2, port, runs, str(tmp_path)), nprocs=2, start_method="spawn", join=True
+        _worker, args=(2, free_port(), runs, str(tmp_path)), nprocs=2, start_method="spawn", join=True
     )
     res = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     print(res)
