@@ -7,17 +7,24 @@ worker runs it (:func:`mm_core.train.entry.run_worker`): the config loaded with 
 closed. The process group is destroyed once, after the last run: a group destroyed and made again in the same
 processes can pair one rank's collective with another's (seen with HSDP after an expert-parallel run).
 
+Between runs a launch may call a function of a test module on every rank (:class:`Call`: after a barrier,
+e.g. to snapshot a run's outputs before the next run rewrites them, or to build a trained run's model again
+and write what the test compares).
+
 The processes are forked from a forkserver that imported torch, transformers and mm's trainer once for the
 whole test session (``MM_TEST_START_METHOD=spawn`` starts them as fresh interpreters instead); each worker
 takes the environment of the test that launched it, not the one the forkserver started with."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Union
 
 import torch.multiprocessing as mp
 
@@ -28,6 +35,24 @@ mp.set_forkserver_preload(PRELOAD)
 
 #: (name, config path, overrides)
 Run = tuple[str, str, list[str]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """``target`` (``"module:function"``, a module importable from the tests folder) called with ``args`` on
+    every rank of a launch, after the runs before it and a barrier; it finishes on every rank before the next
+    item starts."""
+
+    name: str
+    target: str
+    args: tuple[Any, ...] = ()
+
+    def __call__(self) -> None:
+        module, _, function = self.target.partition(":")
+        getattr(importlib.import_module(module), function)(*self.args)
+
+
+Item = Union[Run, Call]
 
 
 def _train(config: str, overrides: list[str]) -> None:
@@ -61,7 +86,7 @@ def enter_rank(rank: int, world: int, port: int, env: dict[str, str] | None = No
     )
 
 
-def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: dict[str, str]) -> None:
+def _worker(rank: int, world: int, port: int, runs: list[Item], cwd: str, env: dict[str, str]) -> None:
     enter_rank(rank, world, port, env)
     import torch
     import torch.distributed as dist
@@ -70,15 +95,28 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], cwd: str, env: di
     torch.set_num_threads(1)
     os.chdir(cwd)
     try:
-        for name, config, overrides in runs:
+        for item in runs:
             try:
-                _train(config, overrides)
+                if isinstance(item, Call):
+                    if dist.is_initialized():
+                        dist.barrier()
+                    item()
+                else:
+                    _train(item[1], item[2])
             except Exception as exc:
-                raise RuntimeError(f"run {name!r} failed on rank {rank} of {world}") from exc
-        dist.barrier()
+                what = "call" if isinstance(item, Call) else "run"
+                raise RuntimeError(f"{what} {_name(item)!r} failed on rank {rank} of {world}") from exc
+            if isinstance(item, Call) and dist.is_initialized():
+                dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _name(item: Item) -> str:
+    return item.name if isinstance(item, Call) else item[0]
 
 
 def free_port() -> int:
@@ -101,9 +139,9 @@ def join_within(context: mp.ProcessContext, timeout: float, what: str) -> None:
             raise TimeoutError(f"{what} did not finish in {timeout:.0f} s")
 
 
-def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) -> None:
-    """Run ``runs`` in order on ``nproc`` processes started once; fail on any error or after ``timeout``
-    seconds for the whole launch."""
+def run_in_one_launch(nproc: int, runs: list[Item], cwd: Path, timeout: float) -> None:
+    """Run ``runs`` (training runs and calls) in order on ``nproc`` processes started once; fail on any error
+    or after ``timeout`` seconds for the whole launch."""
     context = mp.start_processes(
         _worker,
         args=(nproc, free_port(), runs, str(cwd), dict(os.environ)),
@@ -111,5 +149,5 @@ def run_in_one_launch(nproc: int, runs: list[Run], cwd: Path, timeout: float) ->
         join=False,
         start_method=START_METHOD,
     )
-    names = ", ".join(name for name, *_ in runs)
+    names = ", ".join(_name(item) for item in runs)
     join_within(context, timeout, f"runs {names} on {nproc} processes")
