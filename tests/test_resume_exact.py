@@ -132,25 +132,20 @@ def test_killed_worker_restarts_and_resumes_to_equal_weights(straight, tmp_path)
         assert torch.equal(ours[k], ref[k]), k
 
 
-def _launched_workers(launcher: int) -> list[int]:
-    """The worker processes the ``mm train --nproc-per-node`` launcher ``launcher`` started: the children of
-    its fork server (``MM_WORKER_START=spawn``: its own children running ``multiprocessing.spawn``)."""
-    parent, cmdline = {}, {}
+def _spawned_workers(launcher: int) -> list[int]:
+    """The worker processes the ``mm train --nproc-per-node`` launcher ``launcher`` started."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-    servers = {pid for pid, ppid in parent.items() if ppid == launcher and b"forkserver" in cmdline[pid]}
-    spawned = {
-        pid
-        for pid, ppid in parent.items()
-        if ppid == launcher and b"multiprocessing.spawn" in cmdline[pid] and b"resource_tracker" not in cmdline[pid]
-    }
-    return sorted(spawned | {pid for pid, ppid in parent.items() if ppid in servers})
+        if ppid == launcher and b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(int(entry))
+    return sorted(out)
 
 
 def test_sigterm_to_one_worker_saves_and_resumes_bit_exactly(straight, tmp_path):
@@ -172,7 +167,7 @@ def test_sigterm_to_one_worker_saves_and_resumes_bit_exactly(straight, tmp_path)
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        workers = _launched_workers(proc.pid)
+        workers = _spawned_workers(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[-1], signal.SIGTERM)
         output, _ = proc.communicate(timeout=240)
