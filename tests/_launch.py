@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -52,7 +52,7 @@ class Call:
         getattr(importlib.import_module(module), function)(*self.args)
 
 
-Item = Union[Run, Call]
+Item = Run | Call
 
 
 def _train(config: str, overrides: list[str]) -> None:

@@ -2,10 +2,10 @@
 
 The packages are read from ``packages/*/pyproject.toml`` (distribution name, import name under ``src/``,
 declared dependencies), so a new package is covered without editing this file. Each package is imported in a
-fresh interpreter (alone, and with every one of its submodules) and the modules it pulled in are checked: a
-plugin may load another plugin only through its declared dependencies (directly or transitively). Every
-import statement of a package's source names only the standard library, the package itself and
-distributions it declares (its own extras included), directly or through their dependencies.
+fresh interpreter (alone, then with every one of its submodules; two interpreters at a time) and the modules
+it pulled in are checked: a plugin may load another plugin only through its declared dependencies (directly or
+transitively). Every import statement of a package's source names only the standard library, the package
+itself and distributions it declares (its own extras included), directly or through their dependencies.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -116,31 +117,41 @@ def test_the_plugin_dependency_graph_has_no_cycle() -> None:
 _PROBE = textwrap.dedent(
     """
     import importlib, json, pkgutil, sys
-    name, walk = sys.argv[1], sys.argv[2] == "1"
+    name = sys.argv[1]
     pkg = importlib.import_module(name)
+    alone = {"imported": [name], "modules": sorted({m.split(".")[0] for m in sys.modules})}
     imported = [name]
-    if walk:
-        for info in pkgutil.walk_packages(pkg.__path__, name + "."):
-            if info.name.rsplit(".", 1)[-1] == "__main__":
-                continue  # running it would start a program
-            importlib.import_module(info.name)
-            imported.append(info.name)
-    print(json.dumps({"imported": imported, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+    for info in pkgutil.walk_packages(pkg.__path__, name + "."):
+        if info.name.rsplit(".", 1)[-1] == "__main__":
+            continue  # running it would start a program
+        importlib.import_module(info.name)
+        imported.append(info.name)
+    walked = {"imported": imported, "modules": sorted({m.split(".")[0] for m in sys.modules})}
+    print(json.dumps({"package": alone, "every-submodule": walked}))
     """
 )
 
 
-@functools.cache
-def probe(package: str, walk: bool) -> dict:
-    """Modules loaded by importing ``package`` (with ``walk``: all its submodules) in a fresh interpreter."""
+def _probe_process(package: str) -> dict:
+    """One fresh interpreter: the modules loaded by importing ``package`` alone, then with all its
+    submodules."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, package, "1" if walk else "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-c", _PROBE, package], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def _probes() -> dict[str, dict]:
+    """Every package probed, two interpreters at a time (each is one core's work: imports)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(sorted(MODULES), pool.map(_probe_process, sorted(MODULES))))
+
+
+def probe(package: str, walk: bool) -> dict:
+    """Modules loaded by importing ``package`` (with ``walk``: all its submodules) in a fresh interpreter."""
+    return _probes()[package]["every-submodule" if walk else "package"]
 
 
 @pytest.mark.parametrize("walk", [False, True], ids=["package", "every-submodule"])
