@@ -1,4 +1,4 @@
-"""Fixtures shared by the cross-package tests."""
+"""Fixtures shared by the cross-package tests; mypy (``test_types``) starts as soon as it is collected."""
 
 from __future__ import annotations
 
@@ -18,3 +18,23 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_MYPY: dict[str, object] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start mypy in the background when ``test_types`` is among the collected tests: at the lowest priority
+    it uses the moments the tests before it leave a core idle (a fresh clone has no mypy cache: a minute)."""
+    if any(item.path.name == "test_types.py" for item in session.items):
+        from test_types import start_mypy
+
+        _MYPY["run"] = start_mypy()
+
+
+@pytest.fixture
+def mypy_run():  # noqa: ANN201 - test_types.MypyRun (imported lazily, like the module)
+    """The mypy run started at collection (or one started now when collection did not start it)."""
+    from test_types import start_mypy
+
+    return _MYPY.pop("run", None) or start_mypy()
