@@ -26,6 +26,8 @@ _MYPY: dict[str, object] = {}
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start mypy in the background when ``test_types`` is among the collected tests: at the lowest priority
     it uses the moments the tests before it leave a core idle (a fresh clone has no mypy cache: a minute)."""
+    if session.config.option.collectonly:
+        return
     if any(item.path.name == "test_types.py" for item in session.items):
         from test_types import start_mypy
 
@@ -38,3 +40,11 @@ def mypy_run():  # noqa: ANN201 - test_types.MypyRun (imported lazily, like the 
     from test_types import start_mypy
 
     return _MYPY.pop("run", None) or start_mypy()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A started mypy whose test did not run (``-x`` stopped the session first) is stopped."""
+    run = _MYPY.pop("run", None)
+    if run is not None:
+        run.process.kill()
+        run.output.close()
