@@ -3,6 +3,8 @@ impossible settings (and the guide's gathering keys used wrongly) stop with erro
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from _mm import REPO, mm
 from test_ep_parity import moe_config
@@ -23,16 +25,18 @@ def test_check_shows_expert_placement(tmp_path):
 
 def test_bad_expert_settings_are_refused(tmp_path):
     cfg = moe_config(tmp_path)
-    bad = mm("check", str(cfg), "parallel.expert_parallel_size=3", "--world-size", "6", check=False)
-    assert bad.returncode == 2
-    assert "parallel.expert_parallel_size: got 3; model.layers.0.mlp.experts has 8 experts" in bad.stderr
-    bad = mm(
-        "check", str(cfg), "parallel.expert_parallel_size=2",
-        "parallel.ep_plan.apply_modules=[model.layers.{*}.mlp]", "--world-size", "4", check=False,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "is not a fused experts module" in bad.stderr
-    bad = mm("check", str(cfg), "parallel.ep_plan.dispatcher=mc2", "--world-size", "4", check=False)
-    assert bad.returncode == 2 and "parallel.ep_plan.dispatcher: got 'mc2'" in bad.stderr
+    cases = [
+        ["parallel.expert_parallel_size=3", "--world-size", "6"],
+        ["parallel.expert_parallel_size=2", "parallel.ep_plan.apply_modules=[model.layers.{*}.mlp]",
+         "--world-size", "4"],
+        ["parallel.ep_plan.dispatcher=mc2", "--world-size", "4"],
+    ]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=3) as pool:  # three independent one-process commands
+        uneven, not_fused, mc2 = pool.map(lambda args: mm("check", str(cfg), *args, check=False), cases)
+    assert uneven.returncode == 2
+    assert "parallel.expert_parallel_size: got 3; model.layers.0.mlp.experts has 8 experts" in uneven.stderr
+    assert not_fused.returncode == 2 and "is not a fused experts module" in not_fused.stderr
+    assert mc2.returncode == 2 and "parallel.ep_plan.dispatcher: got 'mc2'" in mc2.stderr
 
 
 def _check(cfg, *overrides: str, world: int = 4) -> None:
