@@ -16,14 +16,14 @@ from typing import Any, ClassVar, cast
 import torch
 from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 
-from mm_core.models import ModelPlan, init_expert_adapters
+from mm_core.models import ModelPlan, TransformersExperts, init_expert_adapters
 
 #: ``model.freeze`` patterns for the parts users commonly freeze (see the package README)
 VISION_TOWER = "model.vision_tower"
 PROJECTOR = "model.mm_projector"
 
 
-class KimiK25ForTraining(Kimi_K25ForConditionalGeneration):
+class KimiK25ForTraining(TransformersExperts, Kimi_K25ForConditionalGeneration):
     """Exactly ``Kimi_K25ForConditionalGeneration`` (same weights, names and exports) plus per-tower default
     plans and the idle-vision-tower rule.
 

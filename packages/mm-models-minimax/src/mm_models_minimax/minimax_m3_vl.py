@@ -32,7 +32,7 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
     MiniMaxM3VLIndexer,
 )
 
-from mm_core.models import ModelPlan, init_expert_adapters
+from mm_core.models import ModelPlan, TransformersExperts, init_expert_adapters
 from mm_parallel.moe import ExpertParallelExperts
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def init_minimax_m3_vl(model: nn.Module) -> None:
     init_expert_adapters(model)
 
 
-class MiniMaxM3VLForTraining(MiniMaxM3SparseForConditionalGeneration):
+class MiniMaxM3VLForTraining(TransformersExperts, MiniMaxM3SparseForConditionalGeneration):
     """Exactly ``MiniMaxM3SparseForConditionalGeneration`` (same weights and names, exports load in plain
     transformers) plus:
 

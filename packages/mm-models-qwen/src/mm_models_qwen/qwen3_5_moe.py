@@ -8,13 +8,13 @@ from typing import ClassVar
 
 from transformers import Qwen3_5MoeForConditionalGeneration
 
-from mm_core.models import ModelPlan
+from mm_core.models import ModelPlan, TransformersExperts
 
 from ._moe import init_qwen3_5_moe
 from ._vl import QWEN_VL_PLAN, QwenVLPlans
 
 
-class Qwen3_5MoeForTraining(QwenVLPlans, Qwen3_5MoeForConditionalGeneration):
+class Qwen3_5MoeForTraining(TransformersExperts, QwenVLPlans, Qwen3_5MoeForConditionalGeneration):
     """Exactly ``Qwen3_5MoeForConditionalGeneration`` plus per-tower default plans: vision blocks and decoder
     layers (attention, router and all experts of a layer together) are FSDP units; the experts are the
     expert-parallel plan; routers never take Muon. Meta-device init also initialises the routers and the

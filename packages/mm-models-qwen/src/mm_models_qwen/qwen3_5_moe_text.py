@@ -8,12 +8,12 @@ from typing import ClassVar
 
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-from mm_core.models import ModelPlan
+from mm_core.models import ModelPlan, TransformersExperts
 
 from ._moe import init_qwen3_5_moe
 
 
-class Qwen3_5MoeTextForTraining(Qwen3_5MoeForCausalLM):
+class Qwen3_5MoeTextForTraining(TransformersExperts, Qwen3_5MoeForCausalLM):
     """Exactly ``Qwen3_5MoeForCausalLM`` plus mm's default plans: each decoder layer is one FSDP unit and one
     recompute unit; the routed experts (``mlp.experts``) are expert-parallel when
     ``parallel.expert_parallel_size > 1`` while the shared expert stays data-parallel; the router and the

@@ -6,10 +6,10 @@ from typing import ClassVar
 
 from transformers import Qwen3MoeForCausalLM
 
-from mm_core.models import ModelPlan, init_expert_adapters
+from mm_core.models import ModelPlan, TransformersExperts, init_expert_adapters
 
 
-class Qwen3MoeForTraining(Qwen3MoeForCausalLM):
+class Qwen3MoeForTraining(TransformersExperts, Qwen3MoeForCausalLM):
     """Exactly ``Qwen3MoeForCausalLM`` (same weights and names; its experts are the fused 3-D
     ``gate_up_proj``/``down_proj``), plus mm's default plans: each decoder layer is one FSDP unit and one
     recompute unit, the fused experts of every MoE layer are expert-parallel when

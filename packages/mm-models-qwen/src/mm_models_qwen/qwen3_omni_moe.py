@@ -32,7 +32,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
 
-from mm_core.models import ModelPlan
+from mm_core.models import ModelPlan, TransformersExperts
 
 from ._idle import add_idle, idle_audio_tower, idle_vision_tower
 from ._moe import init_qwen3_omni_moe
@@ -73,7 +73,7 @@ def thinker_config(config: Any) -> Any:
     return inner if isinstance(inner, PretrainedConfig) else config
 
 
-class Qwen3OmniMoeThinkerForTraining(Qwen3OmniMoeThinkerForConditionalGeneration):
+class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerForConditionalGeneration):
     """Exactly ``Qwen3OmniMoeThinkerForConditionalGeneration`` (same weights and names; exports as that class)
     plus per-tower default plans: ``model.visual.blocks.{*}``, ``model.audio_tower.layers.{*}`` and
     ``model.language_model.layers.{*}`` are FSDP units; the experts are the expert-parallel plan; the routers

@@ -8,12 +8,12 @@ from typing import ClassVar
 
 from transformers.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
-from mm_core.models import ModelPlan, init_expert_adapters
+from mm_core.models import ModelPlan, TransformersExperts, init_expert_adapters
 
 from ._vl import QWEN_VL_PLAN, QwenVLPlans
 
 
-class Qwen3VLMoeForTraining(QwenVLPlans, Qwen3VLMoeForConditionalGeneration):
+class Qwen3VLMoeForTraining(TransformersExperts, QwenVLPlans, Qwen3VLMoeForConditionalGeneration):
     """Exactly ``Qwen3VLMoeForConditionalGeneration`` (same weights and names; its routed experts are the
     fused 3-D ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, no shared expert) plus per-tower default
     plans: vision blocks and decoder layers (attention, router and all experts of a layer together) are FSDP

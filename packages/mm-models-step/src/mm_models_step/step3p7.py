@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.models.step3p7 import Step3p7ForConditionalGeneration
 
-from mm_core.models import ModelPlan, init_expert_adapters
+from mm_core.models import ModelPlan, TransformersExperts, init_expert_adapters
 from mm_parallel.moe import ExpertParallelExperts
 
 #: ``model.freeze`` patterns for the parts users commonly freeze (see the package README)
@@ -80,7 +80,7 @@ STEP3P7_PLAN = ModelPlan(
 )
 
 
-class Step3p7ForTraining(Step3p7ForConditionalGeneration):
+class Step3p7ForTraining(TransformersExperts, Step3p7ForConditionalGeneration):
     """Exactly ``Step3p7ForConditionalGeneration`` (same weights and names) plus default plans
     (:data:`STEP3P7_PLAN`) and the idle-vision-tower rule.
 
