@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 from _mm import QUICKSTART, REPO
 
 from mm_core.check import run_check
@@ -117,7 +118,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def worker_logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     out = tmp_path_factory.mktemp("worker_logs")
     init = Path(tempfile.mkdtemp()) / "init"
-    mp.start_processes(_worker, args=(str(init), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(str(init), str(out)), nprocs=WORLD, join=True, start_method=START_METHOD
+    )
     return {name: json.loads((out / f"{name}.json").read_text(encoding="utf-8")) for name in CONFIGS}
 
 

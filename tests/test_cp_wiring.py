@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 from transformers import (
     AttentionInterface,
     Qwen3_5MoeTextConfig,
@@ -105,7 +106,7 @@ def test_shard_reassembles_to_the_padded_batch(ring, ulysses):
             _split_worker,
             args=(ring * ulysses, os.path.join(tmp, "rdzv"), ring, ulysses),
             nprocs=ring * ulysses,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
 
 

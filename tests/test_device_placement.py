@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _device_audit import DeviceAudit
+from _launch import START_METHOD
 from _mm import QUICKSTART, REPO
 
 WORLD = 2
@@ -81,7 +82,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("device_placement")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
+    mp.start_processes(
+        _worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method=START_METHOD, join=True
+    )
     return [json.loads(Path(out, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(WORLD)]
 
 

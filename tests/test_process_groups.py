@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 
 from mm_core.errors import ConfigError
 from mm_parallel.device import group_backend, process_group_backend
@@ -95,7 +96,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[list[dict]]:
     out = tmp_path_factory.mktemp("groups")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
+    mp.start_processes(
+        _worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method=START_METHOD, join=True
+    )
     return [json.loads(Path(out, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(WORLD)]
 
 

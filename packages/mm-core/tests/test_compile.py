@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from _launch import enter_rank, free_port
+from _launch import START_METHOD, enter_rank, free_port
 from torch import nn
 
 from mm_core.check import run_check
@@ -212,7 +212,7 @@ def test_compiled_fsdp_with_recompute_matches_eager(
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         runs.append((name, str(path)))
     mp.start_processes(
-        _worker, args=(2, free_port(), runs, str(tmp_path)), nprocs=2, start_method="spawn", join=True
+        _worker, args=(2, free_port(), runs, str(tmp_path)), nprocs=2, start_method=START_METHOD, join=True
     )
     res = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     print(res)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 from _tiny import MINIMAX_M3_TEXT, MINIMAX_M3_VISION
 from torch.distributed.device_mesh import init_device_mesh
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
@@ -304,7 +305,7 @@ def test_adapter_dispatchers_match_one_process(dispatcher):
             args=(world, os.path.join(tmp, "rendezvous"), dispatcher),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + 180
         while not context.join(timeout=1.0):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import START_METHOD
 from PIL import Image
 from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
 from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
@@ -270,7 +271,7 @@ def test_expert_adapter_dispatchers_on_two_ranks():
     process's over every rank's tokens, with the clamp active."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _two_ranks, args=(2, os.path.join(tmp, "rendezvous")), nprocs=2, start_method="spawn"
+            _two_ranks, args=(2, os.path.join(tmp, "rendezvous")), nprocs=2, start_method=START_METHOD
         )
 
 

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("diffusers")
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _launch import START_METHOD
 from test_ltx2_model import TINY, _batch  # noqa: E402
 
 VARIANTS: list[dict[str, Any]] = [
@@ -70,4 +71,4 @@ def _worker(rank: int, init_file: str) -> None:
 @pytest.mark.slow
 def test_ulysses_gradients_are_one_process_gradients() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(os.path.join(tmp, "rdzv"),), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(os.path.join(tmp, "rdzv"),), nprocs=2, start_method=START_METHOD)
