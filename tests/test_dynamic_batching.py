@@ -12,14 +12,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
-from _mm import QUICKSTART, REPO, assert_close_series, mm, read_metrics
+from _launch import run_in_one_launch
+from _mm import QUICKSTART, REPO, assert_close_series, read_metrics
 from _plugin_datasets import ReferenceLines
 
 from mm_core.config.schema import DataConfig
@@ -127,7 +127,7 @@ def _steps(config: Path, ds: ReferenceLines, dp: int, accumulation: int, steps: 
     return [[next(it)["sample_id"].tolist() for _ in range(accumulation) for it in its] for _ in range(steps)]
 
 
-def test_per_token_normalisation_stays_global_with_uneven_ranks(group, tmp_path, monkeypatch):
+def test_per_token_normalisation_stays_global_with_uneven_ranks(group, tmp_path):
     config = _reference_config(tmp_path)
     data = yaml.safe_load(config.read_text(encoding="utf-8"))["data"]["dataset_param"]
     ds = ReferenceLines(data["basic_parameters"], data["preprocess_parameters"], seed=5)
@@ -137,10 +137,13 @@ def test_per_token_normalisation_stays_global_with_uneven_ranks(group, tmp_path,
     tokens = [[int(lengths[b].sum()) for b in step] for step in two_ranks]
     assert sum(r0 != r1 for r0, r1 in tokens) >= 3, f"the ranks should hold different token counts: {tokens}"
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "two"
-    mm("train", str(config), *COMMON, "training.gradient_accumulation_steps=1", f"training.output_dir={out}",
-       "--nproc-per-node", "2", timeout=300)  # fmt: skip
+    two_rank_run = (
+        "two",
+        str(config),
+        [*COMMON, "training.gradient_accumulation_steps=1", f"training.output_dir={out}"],
+    )
+    run_in_one_launch(2, [two_rank_run], REPO, timeout=300)
     two = read_metrics(out)
     one = _train_here(
         config, [*COMMON, "training.gradient_accumulation_steps=2", f"training.output_dir={tmp_path}"]
