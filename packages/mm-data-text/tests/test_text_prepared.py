@@ -184,18 +184,29 @@ def test_a_failed_build_leaves_the_last_good_cache(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
 
 
-def test_mm_data_prepare_and_verify(tmp_path):
+def test_mm_data_prepare_and_verify(tmp_path, capsys):
+    """``mm data prepare`` (2 preparation processes) as a subprocess, then the later commands in this
+    process through the same entry (``mm_core.cli.main``): exit status and output."""
+    from mm_core.cli import main
+
     cfg = REPO / "examples" / "quickstart" / "config.yaml"
     cache = f"data.dataset_param.basic_parameters.cache_dir={tmp_path}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def mm(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mm_core.cli", "data", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-
-    first = mm("prepare", str(cfg), cache, "--workers", "2")
+    command = [sys.executable, "-m", "mm_core.cli", "data", "prepare", str(cfg), cache, "--workers", "2"]
+    first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "text_pretrain: prepared:" in first.stdout and "blocks of 256" in first.stdout
+
+    def mm(*args: str) -> subprocess.CompletedProcess:
+        cwd = os.getcwd()
+        os.chdir(REPO)  # the quickstart's paths are relative to the repository root
+        try:
+            code = main(["data", *args])
+        finally:
+            os.chdir(cwd)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
     second = mm("prepare", str(cfg), cache)
     assert "already prepared (current)" in second.stdout
     ok = mm("verify", str(cfg), cache)
