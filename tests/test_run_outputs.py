@@ -6,10 +6,12 @@ step twice; outputs inside a dataset folder are refused."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from _launch import Call, run_in_one_launch
 from _mm import QUICKSTART, REPO, mm, read_metrics
 
 from mm_core.config import load_config
@@ -163,18 +165,27 @@ COMMON = [
 ]
 
 
-def _train(d: Path, *overrides: str, check: bool = True):
-    return mm(
-        "train",
-        str(QUICKSTART),
-        *COMMON,
-        f"training.save={d / 'ckpt'}",
-        f"training.output_dir={d / 'out'}",
-        *overrides,
-        "--nproc-per-node",
-        "2",
-        check=check,
-    )
+def _overrides(d: Path, *overrides: str) -> list[str]:
+    return [*COMMON, f"training.save={d / 'ckpt'}", f"training.output_dir={d / 'out'}", *overrides]
+
+
+def _train_cli(d: Path, *overrides: str, check: bool = True):
+    return mm("train", str(QUICKSTART), *_overrides(d, *overrides), "--nproc-per-node", "2", check=check)
+
+
+def _train_runs(d: Path, runs: list) -> None:
+    """``runs`` (``(name, overrides)`` runs into ``d``, and :class:`Call` items) in one launch of 2
+    processes, each run as ``mm train ... --nproc-per-node 2`` runs it in its workers."""
+    items = [r if isinstance(r, Call) else (r[0], str(QUICKSTART), _overrides(d, *r[1])) for r in runs]
+    run_in_one_launch(2, items, REPO, timeout=600)
+
+
+def keep_metrics(d: str, name: str) -> None:
+    """Rank 0: a copy of ``d/out/metrics.jsonl`` in the folder ``d/kept_<name>`` (a run's log before the next
+    run of the launch rewrites it)."""
+    if os.environ["RANK"] == "0":
+        (Path(d) / f"kept_{name}").mkdir()
+        shutil.copyfile(Path(d) / "out" / "metrics.jsonl", Path(d) / f"kept_{name}" / "metrics.jsonl")
 
 
 def _one_line_error(proc) -> str:
@@ -187,25 +198,37 @@ def _one_line_error(proc) -> str:
 
 @pytest.mark.slow
 def test_rerun_is_refused_resumed_or_overwritten(tmp_path):
-    _train(tmp_path, "training.train_iters=2")
+    """The runs that train go through :mod:`_launch` (the first one alone, the other three in one launch, a
+    call keeping each one's metrics before the next rewrites them); the refused rerun between them is the
+    ``mm train`` command, whose one-line error is the subject."""
+    _train_runs(tmp_path, [("first", ["training.train_iters=2"])])
     first = {r["step"]: r for r in read_metrics(tmp_path / "out")}
     assert sorted(first) == [1, 2]
 
-    line = _one_line_error(_train(tmp_path, "training.train_iters=3", check=False))
+    line = _one_line_error(_train_cli(tmp_path, "training.train_iters=3", check=False))
     assert f"training.output_dir: '{tmp_path / 'out'}' already holds metrics.jsonl of another run" in line
     assert "training.load: auto" in line and "training.overwrite_output_dir: true" in line
     assert sorted(r["step"] for r in read_metrics(tmp_path / "out")) == [1, 2]  # untouched
 
-    _train(tmp_path, "training.train_iters=3", "training.load=auto")  # resumes step_2
-    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3]
+    keep = f"{__name__}:keep_metrics"
+    _train_runs(
+        tmp_path,
+        [
+            ("auto", ["training.train_iters=3", "training.load=auto"]),  # resumes step_2
+            Call("keep auto", keep, (str(tmp_path), "auto")),
+            # resuming an earlier checkpoint of the run redoes steps 2-3
+            ("step_1", ["training.train_iters=3", f"training.load={tmp_path / 'ckpt' / 'step_1'}"]),
+            Call("keep step_1", keep, (str(tmp_path), "step_1")),
+            ("overwrite", ["training.train_iters=1", "training.overwrite_output_dir=true"]),
+        ],
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "kept_auto")] == [1, 2, 3]
 
     # resuming an earlier checkpoint of the run redoes steps 2-3: they are replaced, never listed twice
-    _train(tmp_path, "training.train_iters=3", f"training.load={tmp_path / 'ckpt' / 'step_1'}")
-    again = read_metrics(tmp_path / "out")
+    again = read_metrics(tmp_path / "kept_step_1")
     assert [r["step"] for r in again] == [1, 2, 3]
     assert again[1]["loss"] == first[2]["loss"]
 
-    _train(tmp_path, "training.train_iters=1", "training.overwrite_output_dir=true")
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_1"]
 
