@@ -7,6 +7,8 @@ are one line on every rank; non-finite weights are not exported unless ``--allow
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import shutil
@@ -19,7 +21,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from _mm import QUICKSTART, REPO, mm
+from _launch import run_in_one_launch
+from _mm import QUICKSTART, REPO
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from mm_core.checkpoint.reader import load_dcp, read_metadata
@@ -77,6 +80,16 @@ def _run(args: list[str], env_path: Path | None = None) -> subprocess.CompletedP
     )
 
 
+def _run_here(args: list[str]) -> subprocess.CompletedProcess:
+    """``mm ARGS`` through its entry, ``mm_core.cli.main``, in this process: exit status, stdout, stderr."""
+    from mm_core.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def _one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
@@ -90,8 +103,9 @@ def world(tmp_path_factory):
     """A real 2-rank checkpoint (model, optimizer, progress, data position, random state), variants of it and
     every ``mm`` command of this module, run a few at a time: name -> finished process."""
     d = tmp_path_factory.mktemp("trust")
-    mm("train", str(QUICKSTART), *COMMON, "training.train_iters=1", f"training.save={d / 'ckpt'}",
-       f"training.output_dir={d / 'out'}", "--nproc-per-node", "2")  # fmt: skip
+    train = ("train", str(QUICKSTART), [*COMMON, "training.train_iters=1", f"training.save={d / 'ckpt'}",
+                                         f"training.output_dir={d / 'out'}"])  # fmt: skip
+    run_in_one_launch(2, [train], REPO, timeout=300)
     good = d / "ckpt" / "step_1"
     markers = d / "markers"
     markers.mkdir()
@@ -119,7 +133,9 @@ def world(tmp_path_factory):
     nonfinite = _nonfinite_checkpoint(good, d / "nonfinite")
 
     train = [*COMMON, "training.train_iters=2", "training.save=null", "--nproc-per-node", "2"]
-    jobs = {
+    # fresh processes: the launches (refused before any step) and the commands whose subject is what gets
+    # imported; the other conversions go through the same entry (mm_core.cli.main) in this process
+    processes = {
         "resume_crafted": (["train", str(QUICKSTART), *train, f"training.load={crafted['exec']}",
                             f"training.output_dir={d / 'o1'}"], None),
         "resume_truncated": (["train", str(QUICKSTART), *train, f"training.load={truncated}",
@@ -127,18 +143,20 @@ def world(tmp_path_factory):
         "resume_shape": (["train", str(QUICKSTART), *train, f"training.load={good}",
                           "model.config_overrides.intermediate_size=64",
                           f"training.output_dir={d / 'o3'}"], None),
-        "convert_exec": (["convert", "dcp-to-hf", str(crafted["exec"]), str(d / "hf_exec")], None),
-        "convert_system": (["convert", "dcp-to-hf", str(crafted["system"]), str(d / "hf_system")], None),
-        "convert_truncated": (["convert", "dcp-to-hf", str(truncated), str(d / "hf_truncated")], None),
         "convert_plugin_named": (["convert", "dcp-to-hf", str(with_plugin), str(d / "hf_plugin")], probe_dir),
-        "convert_nonfinite": (["convert", "dcp-to-hf", str(nonfinite), str(d / "hf_nan")], None),
-        "convert_nonfinite_forced": (
-            ["convert", "dcp-to-hf", str(nonfinite), str(d / "hf_nan_forced"), "--allow-nonfinite"], None
-        ),
     }  # fmt: skip
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {name: pool.submit(_run, args, env) for name, (args, env) in jobs.items()}
-        runs = {name: fut.result() for name, fut in futures.items()}
+    in_process = {
+        "convert_exec": ["convert", "dcp-to-hf", str(crafted["exec"]), str(d / "hf_exec")],
+        "convert_system": ["convert", "dcp-to-hf", str(crafted["system"]), str(d / "hf_system")],
+        "convert_truncated": ["convert", "dcp-to-hf", str(truncated), str(d / "hf_truncated")],
+        "convert_nonfinite": ["convert", "dcp-to-hf", str(nonfinite), str(d / "hf_nan")],
+        "convert_nonfinite_forced": ["convert", "dcp-to-hf", str(nonfinite), str(d / "hf_nan_forced"),
+                                     "--allow-nonfinite"],
+    }  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_run, args, env) for name, (args, env) in processes.items()}
+        runs = {name: _run_here(args) for name, args in in_process.items()}
+        runs.update({name: fut.result() for name, fut in futures.items()})
     plugin_imported_unasked = (markers / "plugin.txt").exists()
     # the control: the same probe module named explicitly with --plugin is imported
     runs["convert_plugin_explicit"] = _run(
