@@ -3,7 +3,12 @@
 "10 steps straight" and "5 steps, stop, resume for 5" give bit-identical losses with gradient accumulation,
 dataloader workers and attention dropout on; without the saved random state they do not (so the test can
 fail). Under ``torchrun --max-restarts=1`` a worker killed mid-training restarts the job, which resumes from
-the last checkpoint (``training.load: auto``) and ends with the same weights as the uninterrupted run."""
+the last checkpoint (``training.load: auto``) and ends with the same weights as the uninterrupted run; SIGTERM
+to one worker of ``mm train --nproc-per-node 2`` saves a checkpoint that ``load: auto`` resumes bit-exactly.
+
+The runs that test no launcher (the uninterrupted run, the two resumed from its step 5, the run resumed after
+the SIGTERM) run in launches of 2 processes (see :mod:`_launch`); the crash and the SIGTERM go to real
+``torchrun`` and ``mm train`` launches."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _mm import QUICKSTART, REPO, mm, read_metrics
+from _launch import run_in_one_launch
+from _mm import QUICKSTART, REPO, read_metrics
 from torch.distributed.checkpoint import FileSystemReader
 
 from mm_core.checkpoint import read_latest
@@ -40,23 +46,26 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("straight")
-    mm("train", str(QUICKSTART), *COMMON, "training.save_interval=5", f"training.save={d / 'ckpt'}",
-       f"training.output_dir={d}", "--nproc-per-node", "2", timeout=300)  # fmt: skip
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The output folders of "10 steps straight" (saved at steps 5 and 10) and of the two runs resumed from
+    its step 5 for 5 steps, with and without its saved random state: one launch of 2 processes."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("straight", "resumed", "no_rng")}
+    straight = [*COMMON, "training.save_interval=5", f"training.save={d['straight'] / 'ckpt'}"]
+    resume = [*COMMON, f"training.load={d['straight'] / 'ckpt' / 'step_5'}", "training.save=null"]
+    runs = {"straight": straight, "resumed": resume, "no_rng": [*resume, "training.no_load_rng=true"]}
+    items = [(name, str(QUICKSTART), [*runs[name], f"training.output_dir={d[name]}"]) for name in runs]
+    run_in_one_launch(2, items, REPO, timeout=900)
     return d
 
 
-def _resume(tmp_path: Path, straight: Path, *extra: str) -> list[dict]:
-    load = straight / "ckpt" / "step_5"
-    mm("train", str(QUICKSTART), *COMMON, f"training.load={load}", "training.save=null",
-       f"training.output_dir={tmp_path}", *extra, "--nproc-per-node", "2", timeout=300)  # fmt: skip
-    return read_metrics(tmp_path)
+@pytest.fixture(scope="module")
+def straight(runs) -> Path:
+    return runs["straight"]
 
 
-def test_stop_and_resume_is_bit_identical(straight, tmp_path):
+def test_stop_and_resume_is_bit_identical(runs, straight):
     ref = {r["step"]: r for r in read_metrics(straight)}
-    resumed = _resume(tmp_path, straight)
+    resumed = read_metrics(runs["resumed"])
     assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
     for r in resumed:
         assert (r["loss"], r["grad_norm"], r["lr"]) == (
@@ -66,10 +75,11 @@ def test_stop_and_resume_is_bit_identical(straight, tmp_path):
         ), r["step"]
 
 
-def test_without_saved_rng_dropout_differs(straight, tmp_path):
+def test_without_saved_rng_dropout_differs(runs, straight):
     """The control: dropout draws from the restored generators, so skipping them changes the losses."""
     ref = {r["step"]: r["loss"] for r in read_metrics(straight)}
-    resumed = _resume(tmp_path, straight, "training.no_load_rng=true")
+    resumed = read_metrics(runs["no_rng"])
+    assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
     assert any(r["loss"] != ref[r["step"]] for r in resumed)
 
 
@@ -153,9 +163,9 @@ def test_sigterm_to_one_worker_saves_and_resumes_bit_exactly(straight, tmp_path)
     the checkpoint is saved and published, the launcher exits with 75, and ``load: auto`` resumes to the same
     losses as the uninterrupted run."""
     save = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "mm_core.cli", "train", str(QUICKSTART), *COMMON,
-           "training.save_interval=100", f"training.save={save}", "training.load=auto",
-           f"training.output_dir={tmp_path}", "--nproc-per-node", "2"]  # fmt: skip
+    overrides = [*COMMON, "training.save_interval=100", f"training.save={save}", "training.load=auto",
+                 f"training.output_dir={tmp_path}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "mm_core.cli", "train", str(QUICKSTART), *overrides, "--nproc-per-node", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -179,7 +189,8 @@ def test_sigterm_to_one_worker_saves_and_resumes_bit_exactly(straight, tmp_path)
     assert stopped is not None and 3 <= int(stopped.name.split("_")[1]) < 10, output[-3000:]
     assert f"saved {stopped}; resume with training.load: auto" in output, output[-3000:]
 
-    mm(*cmd[3:], timeout=300)  # the same command again: load: auto resumes
+    # the same run again (its workers in one launch): load: auto resumes
+    run_in_one_launch(2, [("again", str(QUICKSTART), overrides)], REPO, timeout=300)
     ref = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(straight)]
     ours = [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(tmp_path)]
     assert ours == ref
