@@ -54,6 +54,38 @@ class Call:
 
 Item = Run | Call
 
+_CAPTURE = "mm-test-log-capture"
+
+
+def capture_log(prefix: str) -> None:
+    """On every rank (as a :class:`Call`): from now on what is logged also goes to ``{prefix}.rank{RANK}``,
+    formatted as an ``mm train`` worker prints it on stderr (the message only)."""
+    handler = logging.FileHandler(f"{prefix}.rank{os.environ['RANK']}", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.set_name(_CAPTURE)
+    logging.getLogger().addHandler(handler)
+
+
+def stop_capture() -> None:
+    """On every rank (as a :class:`Call`): end what :func:`capture_log` started."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == _CAPTURE]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def captured(prefix: Path, items: list[Item]) -> list[Item]:
+    """``items`` with what every rank logs meanwhile kept in ``{prefix}.rank*`` (:func:`read_captured`)."""
+    start = Call(f"capture {prefix.name}", "_launch:capture_log", (str(prefix),))
+    return [start, *items, Call(f"end capture {prefix.name}", "_launch:stop_capture")]
+
+
+def read_captured(prefix: Path) -> str:
+    """What :func:`captured` kept under ``prefix``, rank 0's lines first."""
+    files = prefix.parent.glob(f"{prefix.name}.rank*")
+    ordered = sorted(files, key=lambda p: int(p.name.rpartition("rank")[2]))
+    return "".join(p.read_text(encoding="utf-8") for p in ordered)
+
 
 def _train(config: str, overrides: list[str]) -> None:
     from mm_core.config import load_config

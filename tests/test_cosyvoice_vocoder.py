@@ -1,5 +1,7 @@
-"""CosyVoice3's vocoder stage through ``mm train``: the ``cosyvoice_vocoder`` task (HiFT generator against
-its multi-period + multi-resolution discriminators, two optimizers) on 1 process and on 2 FSDP ranks (gloo).
+"""CosyVoice3's vocoder stage trained as an ``mm train`` worker trains it: the ``cosyvoice_vocoder`` task
+(HiFT generator against its multi-period + multi-resolution discriminators, two optimizers) on 1 process and
+on 2 FSDP ranks (gloo). The runs go through ``_launch``: a launch of 1 process, then one launch of 2
+processes for the 3-step run and, after it, the resume from its step-2 checkpoint.
 
 A tiny speech store is written in a temporary folder (sines and chirps, their log-mel, random speech
 tokens); both models are tiny (``config_overrides``). Checked:
@@ -26,7 +28,8 @@ import numpy as np
 import pytest
 import torch.distributed.checkpoint as dcp
 import yaml
-from _mm import assert_close_series, mm, read_metrics, train_layouts
+from _launch import run_in_one_launch
+from _mm import REPO, assert_close_series, read_metrics
 
 STEPS = 3
 COMMON = [f"training.train_iters={STEPS}", "training.micro_batch_size=1", "training.save_interval=2"]
@@ -99,15 +102,15 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("cosyvoice_vocoder")
     cfg = _config(work / "vocoder.yaml", _store(work))
     ckpt = work / "ckpt"
-    layouts = [
-        ("single", 1, ["training.gradient_accumulation_steps=2"]),
-        ("fsdp2", 2, [f"training.save={ckpt}"]),
-    ]
-    got = train_layouts(tmp_path_factory, cfg, layouts, COMMON, timeout=300)
-    resumed = work / "resumed"
-    mm("train", str(cfg), *COMMON, f"training.load={ckpt / 'step_2'}", f"training.output_dir={resumed}",
-       "--nproc-per-node", "2", timeout=300)  # fmt: skip
-    got["resumed"] = read_metrics(resumed)
+    out = {name: tmp_path_factory.mktemp(name) for name in ("single", "fsdp2", "resumed")}
+    single = ["training.gradient_accumulation_steps=2", f"training.output_dir={out['single']}"]
+    fsdp2 = [f"training.save={ckpt}", f"training.output_dir={out['fsdp2']}"]
+    resumed = [f"training.load={ckpt / 'step_2'}", f"training.output_dir={out['resumed']}"]
+    run_in_one_launch(1, [("single", str(cfg), [*COMMON, *single])], REPO, timeout=300)
+    # the resume reads the step-2 checkpoint the 3-step run wrote (its saver closed before the next run)
+    runs = [("fsdp2", str(cfg), [*COMMON, *fsdp2]), ("resumed", str(cfg), [*COMMON, *resumed])]
+    run_in_one_launch(2, runs, REPO, timeout=600)
+    got = {name: read_metrics(folder) for name, folder in out.items()}
     return got, ckpt
 
 

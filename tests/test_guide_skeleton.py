@@ -2,6 +2,11 @@
 placeholders filled: `mm check` accepts it and `mm train` runs 5 steps on 2 ranks, once on the quickstart's
 dense Qwen3 and once on a tiny Qwen3-MoE with expert parallelism 2.
 
+The dense case runs both commands as a user types them (subprocesses). The expert-parallel case calls the
+same `mm check` in this process (`mm_core.cli.main`, its output captured) and trains in one launch of 2
+processes (`_launch`: the run as an `mm train` worker runs it; the log records of every rank, which `mm train`
+prints, written to a file for the test to read).
+
 The skeleton is read from the guide itself (../shared/reference, beside the repository in CI), so the test
 follows the guide rather than a copy of it. What is filled in, and why:
 - module paths: the guide's `model.language_model.layers` is a VLM's language model; the quickstart's decoder
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _launch import captured, read_captured, run_in_one_launch
 from _mm import QUICKSTART, REPO, mm, read_metrics
 
 GUIDE = REPO.parent / "shared" / "reference" / "seed-fsdp2-migration-guide.zh.txt"
@@ -92,16 +98,37 @@ def tiny_moe_dir(tmp: Path) -> Path:
     return out
 
 
-def run_skeleton(cfg: dict, tmp: Path, extra: list[str]) -> tuple[str, list[dict]]:
+def check_in_process(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`mm check ARGS` in this process (the CLI's own entry point, cwd the repository); its stdout."""
+    from mm_core.cli import main
+
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    code = main(["check", *args])
+    out = capsys.readouterr()
+    assert code == 0, f"mm check {' '.join(args)} failed ({code}):\n{out.out}\n{out.err}"
+    return out.out
+
+
+def run_skeleton(cfg: dict, tmp: Path, extra: list[str], in_process=None) -> tuple[str, list[dict]]:
+    """`mm check` and `mm train` of ``cfg``: as subprocesses, or with ``in_process=(capsys, monkeypatch)``
+    the check in this process and the training in one launch; their output and the metrics."""
     path = tmp / "guide.yaml"
     path.write_text(yaml.safe_dump(cfg, allow_unicode=True), encoding="utf-8")
-    check = mm("check", str(path), *extra, "--world-size", "2")
-    assert "hook groups : the FSDP units inside each of model.layers.{*}" in check.stdout
-    train = mm("train", str(path), *extra, "--nproc-per-node", "2")
+    if in_process is None:
+        check = mm("check", str(path), *extra, "--world-size", "2").stdout
+        train = mm("train", str(path), *extra, "--nproc-per-node", "2")
+        out = check + train.stdout + train.stderr
+    else:
+        check = check_in_process([str(path), *extra, "--world-size", "2"], *in_process)
+        log = tmp / "train.log"
+        run_in_one_launch(2, captured(log, [("train", str(path), list(extra))]), REPO, timeout=600)
+        out = check + read_captured(log)
+    assert "hook groups : the FSDP units inside each of model.layers.{*}" in check
     records = read_metrics(tmp / "run")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
-    return check.stdout + train.stdout + train.stderr, records
+    return out, records
 
 
 def test_guide_skeleton_dense(tmp_path):
@@ -111,9 +138,9 @@ def test_guide_skeleton_dense(tmp_path):
     assert "gathering plan: model.layers.0 [model.layers.0]" in out
 
 
-def test_guide_skeleton_expert_parallel(tmp_path):
+def test_guide_skeleton_expert_parallel(tmp_path, capsys, monkeypatch):
     cfg = filled(guide_skeleton(), tiny_moe_dir(tmp_path), "qwen3_moe", tmp_path)
-    out, _ = run_skeleton(cfg, tmp_path, ["parallel.expert_parallel_size=2"])
+    out, _ = run_skeleton(cfg, tmp_path, ["parallel.expert_parallel_size=2"], (capsys, monkeypatch))
     assert "expert par. : ep=2 x efsdp=1" in out
     # the layer's dense unit and its expert unit (over the expert mesh) are gathered as one group
     assert "gathering plan: model.layers.0 [model.layers.0, model.layers.0.mlp.experts]" in out

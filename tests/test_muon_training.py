@@ -1,5 +1,8 @@
 """``training.optimizer: muon`` end to end: resume gives the straight run's numbers exactly, 1 process and
-2-rank FSDP agree, ``mm check`` shows the Muon/AdamW split, and the clipping policy scales the right grads."""
+2-rank FSDP agree, ``mm check`` shows the Muon/AdamW split, and the clipping policy scales the right grads.
+
+The training runs are ``mm train`` workers' runs, those of one test and one process count in one launch
+(:mod:`_launch`); ``mm check`` runs as a user runs it."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _mm import QUICKSTART, assert_close_series, mm, read_metrics
+from _launch import run_in_one_launch
+from _mm import QUICKSTART, REPO, assert_close_series, mm, read_metrics
 from torch import nn
 
 from mm_core.optim.muon import clip_grad_norm_adamw_only_
@@ -25,20 +29,28 @@ SMALL = [
 ]
 
 
-def train(tmp: Path, name: str, *overrides: str, nproc: int = 2) -> list[dict]:
-    out = tmp / name
-    nprocs = ["--nproc-per-node", str(nproc)]
-    mm("train", str(QUICKSTART), *SMALL, f"training.output_dir={out}", *overrides, *nprocs)
-    return read_metrics(out)
+def train(tmp: Path, runs: list[tuple[str, list[str]]], nproc: int = 2) -> dict[str, list[dict]]:
+    """``runs`` (name, overrides) one after the other in one launch of ``nproc`` processes; their metrics."""
+    items = [
+        (name, str(QUICKSTART), [*SMALL, f"training.output_dir={tmp / name}", *extra]) for name, extra in runs
+    ]
+    run_in_one_launch(nproc, items, REPO, timeout=600 * len(items))
+    return {name: read_metrics(tmp / name) for name, _ in runs}
 
 
 def test_muon_resume_is_exact(tmp_path: Path) -> None:
     # clip_muon_params=false also exercises the AdamW-only clipping path of the trainer
     common = ["training.micro_batch_size=2", "training.train_iters=4", "training.muon.clip_muon_params=false"]
     ckpt = tmp_path / "ckpt"
-    straight = train(tmp_path, "straight", *common, f"training.save={ckpt}", "training.save_interval=2")
     load = [f"training.load={ckpt / 'step_2'}", f"training.save={tmp_path / 'ckpt2'}"]
-    resumed = train(tmp_path, "resumed", *common, *load)
+    runs = train(
+        tmp_path,
+        [
+            ("straight", [*common, f"training.save={ckpt}", "training.save_interval=2"]),
+            ("resumed", [*common, *load]),
+        ],
+    )
+    straight, resumed = runs["straight"], runs["resumed"]
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("loss", "grad_norm", "lr"):
@@ -48,8 +60,8 @@ def test_muon_resume_is_exact(tmp_path: Path) -> None:
 
 def test_muon_one_process_matches_fsdp(tmp_path: Path) -> None:
     common = ["training.train_iters=5", "training.gradient_accumulation_steps=1"]
-    one = train(tmp_path, "one", *common, "training.micro_batch_size=4", nproc=1)
-    two = train(tmp_path, "two", *common, "training.micro_batch_size=2", nproc=2)
+    one = train(tmp_path, [("one", [*common, "training.micro_batch_size=4"])], nproc=1)["one"]
+    two = train(tmp_path, [("two", [*common, "training.micro_batch_size=2"])], nproc=2)["two"]
     assert_close_series([r["loss"] for r in one], [r["loss"] for r in two], 1e-5, "loss")
     assert_close_series([r["grad_norm"] for r in one], [r["grad_norm"] for r in two], 1e-4, "grad_norm")
 

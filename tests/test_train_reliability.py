@@ -1,4 +1,8 @@
-"""Fail loudly, lose nothing — the training loop, end to end on 2 gloo ranks through ``mm train``.
+"""Fail loudly, lose nothing — the training loop, end to end on 2 gloo ranks.
+
+What the ``mm train`` command itself shows (a crash printed once, a one-line error and its exit status) runs
+through ``mm train``; runs that succeed are ``mm train`` workers' runs in one launch of 2 processes per test
+(:mod:`_launch`), their log lines kept by calls around the run.
 
 - every documented forward output kind (ModelOutput, SimpleNamespace, dataclass, dict) trains a model whose
   embedding and head sit at the root, with the same losses and gradient norms as a ModelOutput;
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _launch import Call, Item, captured, read_captured, run_in_one_launch
 from _mm import REPO, quickstart_text_data, read_metrics
 
 from mm_core.checkpoint import read_latest
@@ -71,19 +76,26 @@ def mm_train(
     )
 
 
+def launch(tmp_path: Path, items: list[Item], timeout: float = 300) -> None:
+    """``items`` on 2 processes started once, in ``tmp_path`` (as ``mm train`` in a config's folder);
+    ``timeout`` per run."""
+    runs = [item for item in items if not isinstance(item, Call)]
+    run_in_one_launch(2, items, tmp_path, timeout * len(runs))
+
+
 def model(output: str = "model_output", **options) -> dict:
     return {"model_id": "test_root_lm", "config_overrides": {"output": output, **options}}
 
 
 @pytest.mark.slow
 def test_every_output_kind_trains_like_a_model_output(tmp_path: Path) -> None:
+    kinds = ("model_output", "namespace", "dataclass", "dict")
+    for kind in kinds:
+        (tmp_path / kind).mkdir()
+    launch(tmp_path, [(kind, str(write_config(tmp_path / kind, model(kind))), []) for kind in kinds])
     series = {}
-    for kind in ("model_output", "namespace", "dataclass", "dict"):
-        d = tmp_path / kind
-        d.mkdir()
-        proc = mm_train(write_config(d, model(kind)))
-        assert proc.returncode == 0, f"{kind}:\n{proc.stderr[-3000:]}"
-        series[kind] = [(r["loss"], r["grad_norm"]) for r in read_metrics(d / "out")]
+    for kind in kinds:
+        series[kind] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / kind / "out")]
     assert len(series["model_output"]) == 3
     for kind, values in series.items():
         assert values == series["model_output"], kind
@@ -116,8 +128,8 @@ def test_per_token_loss_with_a_model_that_computes_its_own_loss(tmp_path: Path, 
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "model.loss_cfg.loss_type" in lines[0] and "raw" in lines[0] and needle in lines[0], lines[0]
     if model_block["model_id"] == "test_labels_lm":  # and loss_type: raw trains it on its own loss
-        ok = mm_train(write_config(tmp_path, model_block), "model.loss_cfg.loss_type=raw")
-        assert ok.returncode == 0, ok.stderr[-3000:]
+        raw = ("raw", str(write_config(tmp_path, model_block)), ["model.loss_cfg.loss_type=raw"])
+        launch(tmp_path, [raw])
         assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "out"))
 
 
@@ -138,11 +150,11 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 @pytest.mark.slow
 def test_skip_nonfinite_steps_skips_and_counts(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, model(nan_after=2), train_iters=4, skip_nonfinite_steps=2)
-    proc = mm_train(cfg)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(tmp_path, captured(tmp_path / "skip.log", [("skip", str(cfg), [])]))
     records = read_metrics(tmp_path / "out")
     assert [r["skipped_nonfinite_steps"] for r in records] == [0, 0, 1, 2]
-    assert "skipped the update (1 of training.skip_nonfinite_steps: 2)" in proc.stderr
+    log = read_captured(tmp_path / "skip.log")
+    assert "skipped the update (1 of training.skip_nonfinite_steps: 2)" in log, log[-3000:]
     # a third one is over the limit
     proc = mm_train(cfg, "training.train_iters=5", "training.overwrite_output_dir=true")
     assert proc.returncode == 2 and "already skipped 2" in proc.stderr, proc.stderr[-3000:]
@@ -153,22 +165,21 @@ def test_resume_applies_a_changed_schedule_from_the_first_resumed_step(tmp_path:
     ckpt = tmp_path / "ckpt"
     schedule = {"lr_decay_style": "cosine", "lr_min": 1.0e-4, "lr_warmup_ratio": 0.25}
     cfg = write_config(tmp_path, model(), train_iters=4, save=str(ckpt), save_interval=2, **schedule)
-    assert mm_train(cfg).returncode == 0
-    first = {r["step"]: r for r in read_metrics(tmp_path / "out")}
-
-    # resume from step 2 with a lower lr and a longer run: step 3 already uses both
+    # then resume from step 2 with a lower lr and a longer run: step 3 already uses both
     resumed_dir = tmp_path / "resumed"
-    proc = mm_train(
-        cfg,
+    resume = [
         f"training.load={ckpt / 'step_2'}",
         "training.save=null",
         "training.lr=5.0e-4",
         "training.train_iters=8",
         f"training.output_dir={resumed_dir}",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resume: training.lr was 0.001 in the checkpoint, now 0.0005" in proc.stderr, proc.stderr[-3000:]
-    assert "resume: training.train_iters was 4 in the checkpoint, now 8" in proc.stderr
+    ]
+    resumed = captured(tmp_path / "resumed.log", [("resumed", str(cfg), resume)])
+    launch(tmp_path, [("first", str(cfg), []), *resumed])
+    first = {r["step"]: r for r in read_metrics(tmp_path / "out")}
+    log = read_captured(tmp_path / "resumed.log")
+    assert "resume: training.lr was 0.001 in the checkpoint, now 0.0005" in log, log[-3000:]
+    assert "resume: training.train_iters was 4 in the checkpoint, now 8" in log
     records = {r["step"]: r for r in read_metrics(resumed_dir)}
     new = TrainingConfig(train_iters=8, lr=5.0e-4, **schedule)
     for step in (3, 4, 5):
