@@ -2,7 +2,11 @@
 
 On 4 gloo ranks, for each layout (FSDP, HSDP, Ulysses, ring x Ulysses, expert parallel): every mesh dimension
 has the ranks ``init_device_mesh`` would give it, and every group (the world included) has the collective
-timeout of ``parallel.timeout_minutes``, not torch's default. Plus the backend strings for accelerators."""
+timeout of ``parallel.timeout_minutes``, not torch's default. Plus the backend strings for accelerators.
+
+At 1,024 and 4,096 ranks (torch's fake process-group backend: one process takes the place of a rank, no
+other process exists): every mesh dimension gives the rank the group of its row, and the number of groups a
+rank creates depends on the layout's dimensions, not on the world size."""
 
 from __future__ import annotations
 
@@ -171,3 +175,56 @@ def test_timeout_minutes_default():
 
     assert ParallelConfig().timeout_minutes == 30
     assert ParallelConfig(timeout_minutes=120).timeout_minutes == 120
+
+
+SCALE_LAYOUTS = {
+    "fsdp": {},
+    "hsdp": {"fully_shard_parallel_size": 64},
+    "ep": {"expert_parallel_size": 8},
+    "cp": {"ring_attention_size": 2, "ulysses_parallel_size": 4},
+}
+
+
+def _row(mesh, dim: int) -> list[int]:
+    """The ranks of this rank's row along ``dim`` of ``mesh``."""
+    index = list(mesh.get_coordinate())
+    index[dim] = slice(None)
+    return mesh.mesh[tuple(index)].tolist()
+
+
+def _simulated_worker(_: int, out: str) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from mm_core.config.schema import ParallelConfig
+    from mm_core.parallel.state import init_parallel_state
+
+    report = []
+    for world in (1024, 4096):
+        for name, layout in SCALE_LAYOUTS.items():
+            for rank in (0, 777, world - 1):
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+                state = init_parallel_state(ParallelConfig(**layout), "cpu")
+                meshes = [state.world_mesh, state.shard_mesh] + [m for m in [state.expert_mesh] if m]
+                rows_ok = all(
+                    dist.get_process_group_ranks(m.get_group(d)) == _row(m, d)
+                    for m in meshes
+                    for d in range(m.ndim)
+                )
+                groups = state.process_groups
+                report.append({"world": world, "layout": name, "rank": rank, "groups": groups, "ok": rows_ok})
+                dist.destroy_process_group()
+    Path(out, "simulated.json").write_text(json.dumps(report), encoding="utf-8")
+
+
+def test_groups_grow_with_mesh_dimensions_not_world_size(tmp_path):
+    args = (str(tmp_path),)
+    mp.start_processes(_simulated_worker, args=args, nprocs=1, start_method=START_METHOD, join=True)
+    report = json.loads((tmp_path / "simulated.json").read_text(encoding="utf-8"))
+    assert len(report) == 2 * len(SCALE_LAYOUTS) * 3
+    assert all(r["ok"] for r in report), [r for r in report if not r["ok"]]
+    groups = {(r["layout"], r["world"], r["rank"]): r["groups"] for r in report}
+    # FSDP: the size-1 dimensions share one local group; HSDP: replicate + shard + the size-1 ones;
+    # EP adds efsdp and ep; CP: ring, ulysses and the shard group they form with dp_shard
+    want = {"fsdp": 1, "hsdp": 3, "ep": 3, "cp": 4}
+    for (layout, world, rank), count in groups.items():
+        assert count == want[layout], (layout, world, rank, count)

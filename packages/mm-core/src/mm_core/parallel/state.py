@@ -142,6 +142,8 @@ class ParallelState:
     world_mesh: DeviceMesh
     shard_mesh: DeviceMesh
     expert_mesh: DeviceMesh | None = None
+    #: process groups this rank created for the meshes (the default group not counted)
+    process_groups: int = 0
 
     @property
     def device_type(self) -> str:
@@ -174,15 +176,18 @@ class ParallelState:
 
 def build_meshes(
     device_type: str, sizes: ParallelSizes, timeout: datetime.timedelta | None = None
-) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None, int]:
     """The world mesh, the FSDP shard mesh and (with expert parallelism) the expert mesh, in the same rank
-    order: within a replica, ranks are numbered ``dp_shard``-major, then ring, then Ulysses.
+    order: within a replica, ranks are numbered ``dp_shard``-major, then ring, then Ulysses; and the number
+    of process groups this rank created for them.
 
-    Every group is made with ``new_group(ranks, timeout=timeout)`` (a group spanning the world is the
-    default group), so ``parallel.timeout_minutes`` holds for all of them: ``init_device_mesh`` would give
-    its groups torch's default timeout. A group shared by two meshes (e.g. ``dp_replicate``) is made once.
-    Groups inherit the default group's backend string (``cuda:nccl,cpu:gloo``)."""
-    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    Each rank holds one group per mesh dimension (:func:`_dimension_group`) and connects only those: at
+    1,024 ranks a size-1 dimension is one local group per rank, not 1,024 collective ``new_group`` calls,
+    and on NCCL each dimension is one ``split_group``, not a communicator split per group. A group shared
+    by two meshes (e.g. ``dp_replicate``) is made once; a dimension spanning the world is the default group.
+    Every group gets ``timeout`` (``parallel.timeout_minutes``; ``init_device_mesh`` would give its groups
+    torch's default) and inherits the default group's backend string (``cuda:nccl,cpu:gloo``)."""
+    groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
 
     def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         return _mesh_of_groups(device_type, shape, names, groups, timeout)
@@ -195,31 +200,62 @@ def build_meshes(
     expert = None
     if sizes.ep > 1:
         expert = mesh((sizes.dp_replicate, sizes.efsdp, sizes.ep), ("dp_replicate", "efsdp", "ep"))
-    return world, shard, expert
+    created = sum(1 for group in groups.values() if group is not dist.group.WORLD)
+    return world, shard, expert, created
 
 
 def _mesh_of_groups(
     device_type: str,
     shape: tuple[int, ...],
     names: tuple[str, ...],
-    groups: dict[tuple[int, ...], dist.ProcessGroup],
+    groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup],
     timeout: datetime.timedelta | None,
 ) -> DeviceMesh:
-    """A ``DeviceMesh`` over ranks ``0..world-1`` laid out row-major in ``shape``. Every rank creates every
-    group of every dimension in the same order (``new_group`` is collective), keeping the one it is in."""
+    """A ``DeviceMesh`` over ranks ``0..world-1`` laid out row-major in ``shape``, from this rank's group of
+    each dimension (``groups``: those made so far, by the dimension's partition of the ranks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = torch.arange(world).view(shape)
     mine = []
     for dim, size in enumerate(shape):
-        for row in layout.movedim(dim, -1).reshape(-1, size).tolist():
-            key = tuple(row)
-            if key not in groups:
-                group = dist.group.WORLD if size == world else dist.new_group(row, timeout=timeout)
-                assert group is not None  # the default group exists (init_distributed)
-                groups[key] = group
-            if rank in key:
-                mine.append(groups[key])
+        rows = tuple(tuple(row) for row in layout.movedim(dim, -1).reshape(-1, size).tolist())
+        if rows not in groups:  # the same decision on every rank: the partition, not this rank's row
+            groups[rows] = _dimension_group(rows, rank, timeout)
+        mine.append(groups[rows])
     return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=names)
+
+
+def _dimension_group(
+    rows: tuple[tuple[int, ...], ...], rank: int, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup:
+    """This rank's group among ``rows`` (one mesh dimension's groups, a partition of the world).
+
+    - one row: the default group;
+    - a device bound to the default group (cuda: NCCL connected eagerly): one ``split_group`` call by every
+      rank for the whole dimension (one ``ncclCommSplit``; a ``new_group`` per row would be one split each);
+    - rows of one rank: this rank's own 1-rank group, made locally (``use_local_synchronization``: no other
+      rank takes part, and no name has to agree with another rank's);
+    - otherwise a ``new_group`` for every row, in the same order on every rank, as torch requires; outside
+      its row a rank returns at once (no connection is made and, with no bound device, no split).
+    """
+    world = dist.group.WORLD
+    assert world is not None  # the default group exists (init_distributed)
+    if len(rows) == 1:
+        return world
+    if getattr(world, "bound_device_id", None) is not None:
+        split = dist.split_group(split_ranks=[list(row) for row in rows], timeout=timeout)
+        assert split is not None  # the rows cover every rank
+        return split
+    if len(rows[0]) == 1:
+        group = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
+        assert group is not None
+        return group
+    mine = None
+    for row in rows:
+        group = dist.new_group(list(row), timeout=timeout)
+        if rank in row:
+            mine = group
+    assert mine is not None  # the rows cover every rank
+    return mine
 
 
 def init_distributed(device_type: str | None = None, timeout_minutes: int = 30) -> tuple[int, int, int, str]:
@@ -258,7 +294,7 @@ def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> 
     sizes = resolve_sizes(cfg, world)
     device = set_local_device(device_type, local_rank)
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
-    world_mesh, shard, expert = build_meshes(device_type, sizes, timeout)
+    world_mesh, shard, expert, created = build_meshes(device_type, sizes, timeout)
     return ParallelState(
         sizes=sizes,
         rank=rank,
@@ -267,4 +303,5 @@ def init_parallel_state(cfg: ParallelConfig, device_type: str | None = None) -> 
         world_mesh=world_mesh,
         shard_mesh=shard,
         expert_mesh=expert,
+        process_groups=created,
     )
