@@ -33,6 +33,47 @@ QWEN3_MOE: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+#: Qwen3.5's text model: 3 Gated DeltaNet (linear attention) layers, then a full-attention one
+QWEN3_5_TEXT: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "vocab_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+}
+#: what Qwen3.5-MoE's text model adds (it has no dense ``intermediate_size``): 4 experts top-2, 1 shared
+QWEN3_5_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+}
+#: Qwen3.5's vision tower: 2 blocks
+QWEN3_5_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 32,
+}
+
+
+def qwen3_5_overrides(model_id: str) -> dict[str, Any]:
+    """``model.config_overrides`` of a tiny ``qwen3_5``, ``qwen3_5_moe`` or ``qwen3_5_moe_text``."""
+    text = dict(QWEN3_5_TEXT)
+    if model_id != "qwen3_5":
+        del text["intermediate_size"]
+        text.update(QWEN3_5_MOE)
+    return text if model_id == "qwen3_5_moe_text" else {"text_config": text, "vision_config": QWEN3_5_VISION}
+
+
 #: Kimi K2.5's text model (DeepSeek-V3): 3 decoder layers, the first dense; 4 routed experts top-2 and 1
 #: shared expert; multi-head latent attention with a q LoRA rank, qk head dim 4 + 4 = v head dim 8.
 #: ``head_dim`` is DeepSeek-V3's rotary dim and must follow ``qk_rope_head_dim`` (the config derives it only

@@ -1,15 +1,25 @@
 """Meta-device init materialises every tensor (or fails naming the ones it could not), and ``model.freeze``
-keeps frozen weights unchanged. Runs in-process on a 1-rank gloo group."""
+keeps frozen weights unchanged. Runs in-process on a 1-rank gloo group (FSDP's parameters are DTensors there
+as on any number of ranks).
+
+The Qwen3.5 family (dense and MoE vision-language, MoE text) on meta: initialised from scratch, and loaded
+from a Hugging Face folder equal to a load without meta. Its Gated DeltaNet ``A_log`` init copies a plain
+tensor into the sharded parameter (it stopped with "got mixed torch.Tensor and DTensor")."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from _mm import QUICKSTART
+from _tiny import qwen3_5_overrides
 from torch import nn
 from transformers import AutoConfig
 
 from mm_core.config import load_config
+from mm_core.config.schema import ModelConfig
+from mm_core.convert import load_hf_weights
 from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelHub
 from mm_core.parallel.apply import check_initialised, materialize_meta, shard_model
@@ -132,3 +142,39 @@ def test_dataloader_modes_of_the_guide_are_accepted_and_other_samplers_refused()
     cfg = load_config(QUICKSTART, ["data.dataloader_param.sampler_type=Other"])
     with pytest.raises(ConfigError, match=r"data\.dataloader_param\.sampler_type: got 'Other'"):
         check_supported(cfg)
+
+
+def _sharded_on_meta(model_cfg: ModelConfig, state) -> nn.Module:
+    cfg = load_config(QUICKSTART, [*SMALL, "parallel.fsdp_plan.apply_modules=[]"])  # the model's own plan
+    cfg.model = model_cfg
+    model = ModelHub.build(model_cfg, meta=True)
+    shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
+    return model
+
+
+@pytest.mark.parametrize("model_id", ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text"])
+def test_qwen3_5_family_initialises_on_meta(model_id, group):
+    state = init_parallel_state(load_config(QUICKSTART, SMALL).parallel, "cpu")
+    scratch = ModelConfig(model_id=model_id, from_scratch=True, config_overrides=qwen3_5_overrides(model_id))
+    model = _sharded_on_meta(scratch, state)
+    materialize_meta(model, state.device, init=True)  # raises naming any tensor left NaN
+    a_log = next(p for n, p in model.named_parameters() if n.endswith("linear_attn.A_log")).full_tensor()
+    assert torch.all((a_log >= math.log(0.01)) & (a_log <= math.log(16)))  # log of uniform(0.01, 16)
+
+
+@pytest.mark.parametrize("model_id", ["qwen3_5"])
+def test_qwen3_5_loads_a_hugging_face_folder_on_meta_as_without(model_id, group, tmp_path):
+    state = init_parallel_state(load_config(QUICKSTART, SMALL).parallel, "cpu")
+    scratch = ModelConfig(model_id=model_id, from_scratch=True, config_overrides=qwen3_5_overrides(model_id))
+    torch.manual_seed(0)
+    ModelHub.build(scratch).save_pretrained(tmp_path / "hf")
+    folder = ModelConfig(model_id=model_id, model_name_or_path=str(tmp_path / "hf"), config_overrides={})
+    reference = ModelHub.build(folder).state_dict()  # a load without meta
+    loaded = _sharded_on_meta(folder, state)
+    materialize_meta(loaded, state.device, init=False)
+    load_hf_weights(loaded, tmp_path / "hf")
+    check_initialised(loaded)
+    for name, tensor in loaded.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        assert not full.is_meta, name
+        assert torch.equal(full, reference[name]), name

@@ -5,43 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import qwen3_5_overrides
 
 from mm_core.config.schema import ModelConfig
 from mm_core.models import ModelHub, plan_of
 from mm_parallel.patterns import match_modules
 
-TEXT = {
-    "hidden_size": 32,
-    "num_hidden_layers": 4,
-    "vocab_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "intermediate_size": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8,
-    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-}
-MOE = {
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 16,
-}
-VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32}
-
 
 @pytest.mark.parametrize("model_id", ["qwen3_5", "qwen3_5_moe"])
 def test_tiny_vl_model_builds_plans_match_and_trains_text_only(model_id):
-    text = dict(TEXT)
-    if model_id == "qwen3_5_moe":  # experts replace the dense MLP
-        del text["intermediate_size"]
-        text.update(MOE)
-    args = ModelConfig(
-        model_id=model_id, from_scratch=True, config_overrides={"text_config": text, "vision_config": VISION}
-    )
+    args = ModelConfig(model_id=model_id, from_scratch=True, config_overrides=qwen3_5_overrides(model_id))
     torch.manual_seed(0)
     model = ModelHub.build(args)
     matched = match_modules(model, plan_of(model).fsdp_units)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.experimental import implicit_replication
 
 from mm_core.config.schema import LoraConfig, ModelConfig
 from mm_core.errors import ConfigError
@@ -159,6 +160,10 @@ def materialize_meta(
     parameter the checkpoint does not provide is caught by :func:`check_initialised`, by name; buffers keep
     their initial values (non-persistent ones such as rotary frequencies are never in a checkpoint).
     With ``init=True`` everything is NaN-filled first, so a tensor the model's init forgets is caught.
+
+    The initialisation runs under DTensor's ``implicit_replication``: an init that builds a plain tensor of a
+    parameter's full shape and copies it in (transformers' Gated DeltaNet ``A_log``, for one) copies each
+    rank's shard of it, as the unsharded model would be initialised.
     """
     model.to_empty(device=device)
     tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
@@ -171,10 +176,11 @@ def materialize_meta(
             f"training.init_model_with_meta_device: {type(model).__name__} has no init_weights(); "
             "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
         )
-    init_fn()
     hook = (model_plan or plan_of(model)).init_weights
-    if hook is not None:
-        hook(model)
+    with implicit_replication():
+        init_fn()
+        if hook is not None:
+            hook(model)
     if init:
         check_initialised(model)
         return
