@@ -1,12 +1,23 @@
 """Every model id mm ships loads a checkpoint saved by its transformers base class (the hub's weight names)
 completely, and saves under the same names: transformers renames some families' checkpoint weights
 (fused experts, Step's and Kimi's vision towers) and skips classes defined outside it, which mm's
-registration undoes (``mm_core.models.hub.share_weight_conversions``)."""
+registration undoes (``mm_core.models.hub.share_weight_conversions``).
+
+The same folders, and Qwen3.5's, load into a model built on the meta device and sharded on 2 gloo ranks (FSDP
+over both ranks; expert parallel 2 for the MoE models) equal to a load without meta: the per-rank reader
+applies transformers' renamings and fuses each rank's experts (``mm_core.checkpoint.hf_reader``)."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from _launch import Call, run_in_one_launch
+from _mm import QUICKSTART
+from _tiny import qwen3_5_overrides
 from _vlm import FAMILIES
 from safetensors.torch import load_file
 
@@ -62,3 +73,64 @@ def test_hub_names_load_completely_and_export_unchanged(model_id, tmp_path):
     loaded.save_pretrained(tmp_path / "exported")
     names = {k for f in (tmp_path / "exported").glob("*.safetensors") for k in load_file(f)}
     assert names == {k for f in (tmp_path / "official").glob("*.safetensors") for k in load_file(f)}
+
+
+META_IDS = {**OVERRIDES, **{m: qwen3_5_overrides(m) for m in ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text")}}
+
+
+def save_official(model_id: str, folder: Path) -> None:
+    """A tiny ``model_id`` with random weights, saved by its transformers base class in ``folder``."""
+    args = ModelConfig(model_id=model_id, from_scratch=True, config_overrides=META_IDS[model_id])
+    torch.manual_seed(0)
+    reference = ModelHub.build(args)
+    official = _base(type(reference))._from_config(reference.config)
+    official.load_state_dict(reference.state_dict())
+    official.save_pretrained(folder)
+
+
+def load_on_meta(root: str) -> None:
+    """On every rank of a 2-process launch: each folder of ``root`` (named by model id) loaded into a model
+    built on meta and sharded (FSDP 2; then expert parallel 2 where the model has experts); rank 0 writes the
+    weights that differ from a load without meta, per model and layout, to ``root/report.json``."""
+    from mm_core.config import load_config
+    from mm_core.convert import load_hf_weights
+    from mm_core.models import plan_of
+    from mm_core.parallel.apply import check_initialised, materialize_meta, shard_model
+    from mm_core.parallel.state import init_parallel_state
+    from mm_core.tasks.building import build_settings, prepare_and_plan
+
+    report = {}
+    for model_id in sorted(META_IDS):
+        folder = Path(root, model_id)
+        args = ModelConfig(model_id=model_id, model_name_or_path=str(folder), config_overrides={})
+        reference = ModelHub.build(args).state_dict()
+        layouts = [1] + ([2] if plan_of(ModelHub.build(args, meta=True)).expert_modules else [])
+        for ep in layouts:
+            cfg = load_config(
+                QUICKSTART, ["parallel.fsdp_plan.apply_modules=[]", f"parallel.expert_parallel_size={ep}"]
+            )
+            cfg.model = args
+            state = init_parallel_state(cfg.parallel, "cpu")
+            model = ModelHub.build(args, meta=True)
+            shard_model(model, prepare_and_plan(model, cfg, build_settings(cfg), state.sizes), state)
+            materialize_meta(model, state.device, init=False)
+            load_hf_weights(model, folder)
+            check_initialised(model)
+            differ = []
+            for name, tensor in model.state_dict().items():
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                if not torch.equal(full, reference[name]):
+                    differ.append(name)
+            report[f"{model_id} ep={ep}"] = differ
+    if os.environ["RANK"] == "0":
+        Path(root, "report.json").write_text(json.dumps(report), encoding="utf-8")
+
+
+def test_meta_built_sharded_models_load_hub_folders_as_without_meta(tmp_path):
+    for model_id in META_IDS:
+        save_official(model_id, tmp_path / model_id)
+    run_in_one_launch(2, [Call("load on meta", f"{__name__}:load_on_meta", (str(tmp_path),))], tmp_path, 600)
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert {key.split()[0] for key in report} == set(META_IDS)
+    assert sum(key.endswith("ep=2") for key in report) >= 5, sorted(report)  # the MoE models
+    assert {key: names for key, names in report.items() if names} == {}

@@ -162,7 +162,7 @@ def test_qwen3_5_family_initialises_on_meta(model_id, group):
     assert torch.all((a_log >= math.log(0.01)) & (a_log <= math.log(16)))  # log of uniform(0.01, 16)
 
 
-@pytest.mark.parametrize("model_id", ["qwen3_5"])
+@pytest.mark.parametrize("model_id", ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text"])
 def test_qwen3_5_loads_a_hugging_face_folder_on_meta_as_without(model_id, group, tmp_path):
     state = init_parallel_state(load_config(QUICKSTART, SMALL).parallel, "cpu")
     scratch = ModelConfig(model_id=model_id, from_scratch=True, config_overrides=qwen3_5_overrides(model_id))

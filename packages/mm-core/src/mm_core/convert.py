@@ -13,12 +13,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import PreTrainedModel
 
 from mm_core.checkpoint import CONFIG_FILE, resolve_load_path
 from mm_core.checkpoint.dcp_io import check_shapes, tied_aliases
+from mm_core.checkpoint.hf_reader import ConvertingHFReader
 from mm_core.checkpoint.layout import is_checkpoint
 from mm_core.checkpoint.reader import load_dcp, read_metadata
 from mm_core.config import validate_config
@@ -47,11 +48,13 @@ log = logging.getLogger("mm")
 
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Load a Hugging Face safetensors folder into a (possibly sharded) model; each rank reads only the
-    slices it owns. Tensors the folder lacks (e.g. a tied ``lm_head``) keep their current values."""
+    slices it owns, under the model's weight names (transformers' renamings and fused weights applied: see
+    :mod:`mm_core.checkpoint.hf_reader`). Tensors the folder lacks (e.g. a tied ``lm_head``) keep their
+    current values."""
     state = get_model_state_dict(model)
     dcp.load(
         state,
-        storage_reader=HuggingFaceStorageReader(str(path)),
+        storage_reader=ConvertingHFReader(path, model),
         planner=DefaultLoadPlanner(allow_partial_load=True),
     )
     set_model_state_dict(model, state)
