@@ -38,6 +38,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from mm_core.config import load_config
 
         cfg = load_config(args.config, args.overrides)
+        if args.simulate:
+            from mm_core.simulate import run_simulation
+
+            run_simulation(cfg, args.world_size, args.device_memory, as_json=args.json)
+            return
         run_check(cfg, args.world_size, probe_grads=args.grad_probe, as_json=args.json)
 
     return guarded(go)
@@ -131,6 +136,20 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
         "--json",
         action="store_true",
         help="print the resolved build plan, parameter counts and memory estimate as one JSON object",
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="build one rank of a --world-size run at the model's real size on the meta device, over torch's "
+        "fake process group (no other process, no memory), and count the bytes that rank holds",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        default=64.0,
+        metavar="GiB",
+        help="with --simulate: the device memory the total must fit in (64: Ascend 910B, 80: H100, "
+        "141: H200)",
     )
     p.add_argument(
         "--grad-probe",
