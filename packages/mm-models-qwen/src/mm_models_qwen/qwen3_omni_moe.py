@@ -8,7 +8,7 @@ layers), an audio tower as Qwen3-ASR's with its output projection inside (``mode
 format of mm-data-audio) and a mixture-of-experts decoder (``model.language_model``: softmax top-k router
 ``mlp.gate``, fused 3-D experts ``mlp.experts``, no shared expert) with 3-D (mRoPE) positions.
 
-Three things differ from calling the transformers class as is, none of them in the weights or the result:
+Four things differ from calling the transformers class as is, none of them in the weights:
 
 - Tower order. Every training forward runs the vision tower (on the images, else on a blank minimal image,
   ``0 ×`` its output), then the audio tower (on the audio, else on a blank one-frame clip), then the decoder,
@@ -19,6 +19,11 @@ Three things differ from calling the transformers class as is, none of them in t
   attention mask; mm's context parallelism sends none (the decoder sees only this rank's rows), so the
   positions are computed here over the whole sequence as if every token were real: padding comes at the
   end, so the real tokens keep their positions.
+- Clips encoded as if alone. transformers pads every audio chunk of the micro-batch to the longest one, and
+  its convolutions carry the padding into a shorter clip's real frames: a clip's features, so the loss,
+  depended on the other clips of its micro-batch. Here the audio tower runs through
+  :func:`._audio.encode_audio` (the same modules; each clip's features those of the tower on that clip
+  alone) and its rows are placed at the audio tokens before the decoder runs.
 - A Qwen3-Omni checkpoint folder (``config.json`` of ``model_type: qwen3_omni_moe``, weights under
   ``thinker.``) loads directly: its ``thinker_config`` is taken, and transformers' own weight renaming of the
   thinker drops the prefix. Exports are thinker folders, which transformers loads as this class's base.
@@ -34,6 +39,7 @@ from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditional
 
 from mm_core.models import ModelPlan, TransformersExperts
 
+from ._audio import encode_audio
 from ._idle import add_idle, idle_audio_tower, idle_vision_tower
 from ._moe import init_qwen3_omni_moe
 from ._vl import QWEN_VL_PLAN
@@ -116,6 +122,23 @@ class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerFor
         )
         return positions
 
+    def _embeds_with_audio(
+        self,
+        input_ids: torch.Tensor,
+        input_features: torch.Tensor,
+        mask: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """The token embeddings with each clip's audio rows (:func:`._audio.encode_audio`) at its audio
+        tokens, as transformers merges them."""
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            embeds = self.get_input_embeddings()(input_ids)
+        audio = encode_audio(self.model.audio_tower, input_features, mask).to(embeds.device, embeds.dtype)
+        _, _, audio_mask = self.model.get_placeholder_mask(input_ids, inputs_embeds=embeds)
+        merged: torch.Tensor = embeds.masked_scatter(audio_mask, audio)
+        return merged
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -143,6 +166,10 @@ class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerFor
         given = ("position_ids", "attention_mask", "cache", "past_key_values")
         if input_ids is not None and all(kwargs.get(k) is None for k in given):
             kwargs["position_ids"] = self._positions(input_ids, **kwargs)
+        mask = kwargs.get("feature_attention_mask")
+        if input_features is not None and input_ids is not None and mask is not None:
+            kwargs["inputs_embeds"] = self._embeds_with_audio(input_ids, input_features, mask, kwargs)
+            input_features = None  # encoded: the rows are in inputs_embeds
         out = super().forward(
             input_ids=input_ids,
             input_features=input_features,
