@@ -72,6 +72,21 @@ class ParaformerOutput(ModelOutput):
     weight: torch.Tensor | None = None
 
 
+def _zero_padded_frames(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of funasr's encoder: its output ``(frames [clips, time, dim], lengths, ...)`` with the
+    frames past each clip's length set to zero.
+
+    funasr's CIF predictor runs a convolution over time on the encoder's output, padded frames included, so a
+    clip's predicted token count (and ``loss_pre``) depended on how long the other clips of its micro-batch
+    were. With the padded frames zero the convolution reads zeros there, as its own zero padding gives a clip
+    encoded alone; the attention decoder and CTC never read them (masked by the lengths)."""
+    frames, lengths = output[0], output[1]
+    if isinstance(frames, tuple):
+        return output
+    keep = torch.arange(frames.shape[1], device=frames.device) < lengths.to(frames.device).unsqueeze(1)
+    return (frames * keep.unsqueeze(-1).to(frames.dtype), *output[1:])
+
+
 class ParaformerForTraining(nn.Module, BaseModel):
     """funasr's ``Paraformer`` (``self.model``) behind an mm adapter.
 
@@ -80,8 +95,9 @@ class ParaformerForTraining(nn.Module, BaseModel):
     fields) comes out. Train with ``model.loss_cfg.loss_type: raw``: mm back-propagates this loss, averaged
     over micro-batches and ranks. funasr normalises it per sample (``length_normalized_loss: false``), the
     same objective in every layout; per token (``true``, funasr's recipes) weighs each micro-batch's tokens
-    within that micro-batch, as funasr's own data-parallel trainer does. (funasr's CIF predictor makes the
-    numbers depend on micro-batch shapes and padding at the last bit and beyond: see the package README.)
+    within that micro-batch, as funasr's own data-parallel trainer does. The encoder's output is zero at
+    padded frames (:func:`_zero_padded_frames`): funasr's CIF predictor would otherwise read them, and a
+    clip's loss depended on the other clips of its micro-batch.
 
     Batch fields (mm-data-audio's ``asr_manifest`` / ``audio_sft`` with the ``audio`` collator and a
     ``fun-asr-nano`` processor folder, whose features are funasr's ``WavFrontend`` filter banks):
@@ -138,6 +154,8 @@ class ParaformerForTraining(nn.Module, BaseModel):
                 f"({type(exc).__name__}: {exc}); check the encoder/decoder/predictor names and their *_conf"
             ) from None
         self.ignore_id = int(self.model.ignore_id)
+        # the CIF predictor's convolution reads the encoder's output at padded frames next to a clip's end
+        self.model.encoder.register_forward_hook(_zero_padded_frames)
 
     def _fill_cmvn(self) -> None:
         if self.cmvn_shift.device.type == "meta":
