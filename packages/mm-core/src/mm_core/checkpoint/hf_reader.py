@@ -15,7 +15,8 @@ along dimension 0 first (``MergeModulelist(dim=0)``, then concatenations or tran
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,25 +233,33 @@ class ConvertingHFReader(FileSystemReader):
         return Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        for unit, items in self._by_conversion(plan.items):
-            if unit is None:
-                for item in items:
-                    target = self._targets[item.storage_index.fqn]
-                    assert isinstance(target, _Plain)
-                    with safe_open(target.source.file, framework="pt") as f:
-                        _commit(planner, item, f.get_slice(target.source.key)[_slices(item)])
-                continue
-            whole: dict[str, torch.Tensor] | None = None
-            for item in items:
-                if unit.slices_dim0() and item.lengths:
-                    start, length = item.storage_offsets[0], item.lengths[0]
-                    rows = self._read_rows(unit, start, length)[item.storage_index.fqn]
-                    rest = (slice(0, length), *_slices(item)[1:])
-                    _commit(planner, item, rows[rest])
+        with ExitStack() as stack:
+            opened: dict[str, Any] = {}
+
+            def handle(file: str) -> Any:
+                """The open safetensors file ``file`` (each opened once per read)."""
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(file, framework="pt"))
+                return opened[file]
+
+            for unit, items in self._by_conversion(plan.items):
+                if unit is None:
+                    for item in items:
+                        target = self._targets[item.storage_index.fqn]
+                        assert isinstance(target, _Plain)
+                        source = target.source
+                        _commit(planner, item, handle(source.file).get_slice(source.key)[_slices(item)])
                     continue
-                if whole is None:  # the other conversions: their sources whole, once for all their items
-                    whole = self._read_rows(unit, None, None)
-                _commit(planner, item, whole[item.storage_index.fqn][_slices(item)])
+                whole: dict[str, torch.Tensor] | None = None
+                for item in items:
+                    if unit.slices_dim0() and item.lengths:
+                        span = _slices(item)
+                        rows = self._read_rows(unit, handle, span[0])[item.storage_index.fqn]
+                        _commit(planner, item, rows[(slice(0, item.lengths[0]),) + span[1:]])
+                        continue
+                    if whole is None:  # the other conversions: their sources whole, once for all their items
+                        whole = self._read_rows(unit, handle, None)
+                    _commit(planner, item, whole[item.storage_index.fqn][_slices(item)])
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -267,23 +276,22 @@ class ConvertingHFReader(FileSystemReader):
         yield None, plain
         yield from converted.values()
 
-    def _read_rows(self, unit: _Conversion, start: int | None, length: int | None) -> dict[str, torch.Tensor]:
-        """The targets of ``unit`` from its sources' rows ``[start, start + length)`` (all rows when None)."""
+    def _read_rows(
+        self, unit: _Conversion, handle: Callable[[str], Any], rows: slice | None
+    ) -> dict[str, torch.Tensor]:
+        """The targets of ``unit`` from its sources' ``rows`` (all rows when None); ``handle`` gives a file's
+        open safetensors handle."""
         from transformers.core_model_loading import MergeModulelist
 
         stacks = bool(unit.ops) and isinstance(unit.ops[0], MergeModulelist)
         tensors: dict[str, list[torch.Tensor]] = {}
         for pattern, sources in unit.ordered().items():
-            if start is not None and length is not None and stacks:
-                sources = sources[start : start + length]  # one source per expert: this rank's experts
-            read = []
-            for source in sources:
-                with safe_open(source.file, framework="pt") as f:
-                    if start is not None and length is not None and not stacks:
-                        read.append(f.get_slice(source.key)[start : start + length])
-                    else:
-                        read.append(f.get_tensor(source.key))
-            tensors[pattern] = read
+            if rows is None:
+                tensors[pattern] = [handle(s.file).get_tensor(s.key) for s in sources]
+            elif stacks:  # one source per expert: this rank's experts
+                tensors[pattern] = [handle(s.file).get_tensor(s.key) for s in sources[rows]]
+            else:
+                tensors[pattern] = [handle(s.file).get_slice(s.key)[rows] for s in sources]
         return unit.convert(self._model, tensors)
 
 
