@@ -64,16 +64,11 @@ ELSEWHERE |= {"minimax_m3_vl", "step3p7", "qwen3_omni_moe"}
 
 def _save_weights(model: torch.nn.Module, source: str | None, folder: Path) -> None:
     """``model``'s weights in ``folder`` as mm convert dcp-to-hf writes them, beside its config folder."""
+    from mm_core.convert import save_hf_weights
+
     if source and Path(source).is_dir():
         shutil.copytree(source, folder, dirs_exist_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if callable(save_pretrained):
-        save_pretrained(folder)
-        return
-    from safetensors.torch import save_model
-
-    save_model(model, str(folder / "model.safetensors"))
+    save_hf_weights(model, folder)
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - ELSEWHERE))

@@ -60,6 +60,22 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     set_model_state_dict(model, state)
 
 
+def save_hf_weights(model: nn.Module, dst: Path, max_shard_size: str | int = "5GB") -> bool:
+    """Write ``model``'s weights into the folder ``dst`` as ``mm convert dcp-to-hf`` writes them: through its
+    ``save_pretrained`` (a transformers or diffusers model: its own layout, names and config) when it has one,
+    else as one ``model.safetensors`` under the model's own parameter names (a custom BaseModel). Returns
+    whether ``save_pretrained`` wrote the folder."""
+    dst.mkdir(parents=True, exist_ok=True)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
+        from safetensors.torch import save_model
+
+        save_model(model, str(dst / "model.safetensors"))
+        return False
+    save_pretrained(dst, max_shard_size=max_shard_size)
+    return True
+
+
 def hf_to_dcp(src: str | Path, dst: str | Path) -> Path:
     """Write the tensors of a Hugging Face folder as a weights-only DCP checkpoint (keys ``model.<name>``),
     usable as ``training.load`` with ``training.init_model_with_meta_device: true``."""
@@ -229,16 +245,8 @@ def dcp_to_hf(
     if not allow_nonfinite:
         _check_finite(model, path)
     dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if not callable(save_pretrained):
-        # a custom BaseModel: its weights as one safetensors file with the model's own parameter names
-        from safetensors.torch import save_model
-
-        save_model(model, str(dst / "model.safetensors"))
+    if not save_hf_weights(model, dst, max_shard_size):
         return dst
-    # a custom model may define save_pretrained (e.g. a diffusers model: its own folder layout and config)
-    save_pretrained(dst, max_shard_size=max_shard_size)
     config_path = dst / "config.json"
     if config_path.is_file() and isinstance(model, PreTrainedModel):
         conf = json.loads(config_path.read_text(encoding="utf-8"))
