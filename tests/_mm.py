@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import traceback
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart" / "config.yaml"
@@ -74,3 +80,67 @@ def assert_close_series(a: list[float], b: list[float], rtol: float, what: str) 
     assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} values"
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12), f"{what} step {i + 1}: {x!r} vs {y!r}"
+
+
+#: what `mm` (tests/conftest.py's clean environment) runs without: torchrun's variables
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _python_default_warning_filters() -> None:
+    """The warning filters of a fresh interpreter (what the ``mm`` script starts with), not pytest's."""
+    warnings.resetwarnings()
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category, append=True)
+
+
+def mm_here(*args: Any, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``mm ARGS`` run in ``cwd`` by ``mm_core.cli.main`` in this process, as the ``mm`` script runs it
+    (``sys.exit(main())``): the exit status (0, main's return value, a SystemExit's code, or 1 and the
+    traceback on stderr for any other exception) and what it prints. What would reach the script's stderr
+    reaches the captured stderr: warnings (under a fresh interpreter's filters), log records without a
+    handler (logging's last resort) and those of a library's own stream handler. The environment (without
+    torchrun's variables), the working directory, logging and warnings are restored afterwards."""
+    from mm_core.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    env, cwd_before = dict(os.environ), os.getcwd()
+    root = logging.getLogger()
+    root_handlers, root_level = root.handlers[:], root.level
+    streams = [
+        (h, h.stream)
+        for logger in logging.Logger.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+        for h in logger.handlers
+        if type(h) is logging.StreamHandler
+    ]
+    try:
+        for key in TORCHRUN_ENV:
+            os.environ.pop(key, None)
+        os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        os.chdir(cwd)
+        root.handlers, root.level = [], logging.WARNING  # pytest's log capture off: the last resort prints
+        for handler, _ in streams:  # not setStream: it flushes the old stream, which may be closed
+            handler.stream = err
+        with warnings.catch_warnings(record=True) as caught, redirect_stdout(out), redirect_stderr(err):
+            _python_default_warning_filters()
+            try:
+                code = main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):
+                    print(exc.code, file=err)
+            except Exception:
+                traceback.print_exc(file=err)
+                code = 1
+        for w in caught:
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    finally:
+        for handler, stream in streams:
+            handler.stream = stream
+        root.handlers, root.level = root_handlers, root_level
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(env)
+    return subprocess.CompletedProcess(["mm", *argv], code, out.getvalue(), err.getvalue())

@@ -168,16 +168,16 @@ def make_ltx2_assets(root: Path, n: int = 8) -> Path:
 
 
 def assert_export_loads(ckpt: Path, dst: Path, diffusers_class: str) -> None:
-    """``mm convert dcp-to-hf CKPT DST`` (its entry, ``mm_core.cli.main``, in this process) writes a folder
+    """``mm convert dcp-to-hf CKPT DST`` (its entry in this process, ``_mm.mm_here``) writes a folder
     that diffusers' ``diffusers_class`` loads, with the checkpoint's weights (all of them, under diffusers'
     names)."""
     import diffusers
     import torch.distributed.checkpoint as dcp
+    from _mm import mm_here
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mm_core.cli import main
-
-    assert main(["convert", "dcp-to-hf", str(ckpt), str(dst)]) == 0
+    proc = mm_here("convert", "dcp-to-hf", str(ckpt), str(dst))
+    assert proc.returncode == 0, proc.stderr
     config = json.loads((dst / "config.json").read_text())
     assert config["_class_name"] == diffusers_class and "architectures" not in config
     model = getattr(diffusers, diffusers_class).from_pretrained(dst)

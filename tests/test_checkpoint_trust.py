@@ -7,8 +7,6 @@ are one line on every rank; non-finite weights are not exported unless ``--allow
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import pickle
 import shutil
@@ -22,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from _launch import run_in_one_launch
-from _mm import QUICKSTART, REPO
+from _mm import QUICKSTART, REPO, mm_here
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from mm_core.checkpoint.reader import load_dcp, read_metadata
@@ -78,16 +76,6 @@ def _run(args: list[str], env_path: Path | None = None) -> subprocess.CompletedP
         text=True,
         timeout=600,
     )
-
-
-def _run_here(args: list[str]) -> subprocess.CompletedProcess:
-    """``mm ARGS`` through its entry, ``mm_core.cli.main``, in this process: exit status, stdout, stderr."""
-    from mm_core.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -155,7 +143,7 @@ def world(tmp_path_factory):
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_run, args, env) for name, (args, env) in processes.items()}
-        runs = {name: _run_here(args) for name, args in in_process.items()}
+        runs = {name: mm_here(*args) for name, args in in_process.items()}
         runs.update({name: fut.result() for name, fut in futures.items()})
     plugin_imported_unasked = (markers / "plugin.txt").exists()
     # the control: the same probe module named explicitly with --plugin is imported

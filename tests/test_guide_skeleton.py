@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _launch import captured, read_captured, run_in_one_launch
-from _mm import QUICKSTART, REPO, mm, read_metrics
+from _mm import QUICKSTART, REPO, mm, mm_here, read_metrics
 
 GUIDE = REPO.parent / "shared" / "reference" / "seed-fsdp2-migration-guide.zh.txt"
 STEPS = 5
@@ -98,29 +98,19 @@ def tiny_moe_dir(tmp: Path) -> Path:
     return out
 
 
-def check_in_process(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`mm check ARGS` in this process (the CLI's own entry point, cwd the repository); its stdout."""
-    from mm_core.cli import main
-
-    monkeypatch.chdir(REPO)
-    capsys.readouterr()
-    code = main(["check", *args])
-    out = capsys.readouterr()
-    assert code == 0, f"mm check {' '.join(args)} failed ({code}):\n{out.out}\n{out.err}"
-    return out.out
-
-
-def run_skeleton(cfg: dict, tmp: Path, extra: list[str], in_process=None) -> tuple[str, list[dict]]:
-    """`mm check` and `mm train` of ``cfg``: as subprocesses, or with ``in_process=(capsys, monkeypatch)``
-    the check in this process and the training in one launch; their output and the metrics."""
+def run_skeleton(cfg: dict, tmp: Path, extra: list[str], in_process: bool = False) -> tuple[str, list[dict]]:
+    """`mm check` and `mm train` of ``cfg``: as subprocesses, or with ``in_process`` the check in this process
+    (`_mm.mm_here`) and the training in one launch; their output and the metrics."""
     path = tmp / "guide.yaml"
     path.write_text(yaml.safe_dump(cfg, allow_unicode=True), encoding="utf-8")
-    if in_process is None:
+    if not in_process:
         check = mm("check", str(path), *extra, "--world-size", "2").stdout
         train = mm("train", str(path), *extra, "--nproc-per-node", "2")
         out = check + train.stdout + train.stderr
     else:
-        check = check_in_process([str(path), *extra, "--world-size", "2"], *in_process)
+        proc = mm_here("check", str(path), *extra, "--world-size", "2")
+        assert proc.returncode == 0, f"mm check failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        check = proc.stdout
         log = tmp / "train.log"
         run_in_one_launch(2, captured(log, [("train", str(path), list(extra))]), REPO, timeout=600)
         out = check + read_captured(log)
@@ -138,9 +128,9 @@ def test_guide_skeleton_dense(tmp_path):
     assert "gathering plan: model.layers.0 [model.layers.0]" in out
 
 
-def test_guide_skeleton_expert_parallel(tmp_path, capsys, monkeypatch):
+def test_guide_skeleton_expert_parallel(tmp_path):
     cfg = filled(guide_skeleton(), tiny_moe_dir(tmp_path), "qwen3_moe", tmp_path)
-    out, _ = run_skeleton(cfg, tmp_path, ["parallel.expert_parallel_size=2"], (capsys, monkeypatch))
+    out, _ = run_skeleton(cfg, tmp_path, ["parallel.expert_parallel_size=2"], in_process=True)
     assert "expert par. : ep=2 x efsdp=1" in out
     # the layer's dense unit and its expert unit (over the expert mesh) are gathered as one group
     assert "gathering plan: model.layers.0 [model.layers.0, model.layers.0.mlp.experts]" in out

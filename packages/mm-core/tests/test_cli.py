@@ -2,30 +2,24 @@
 
 Every ``mm`` start imports torch and transformers (seconds each), so the commands of this module are run
 once, in the ``runs`` fixture; each test then checks one of the finished runs. The ``mm check`` cases call
-the CLI's entry point (``mm_core.cli.main``) in this process, as the ``mm`` script does: its exit status, a
-traceback of what it raises, and what it prints to stdout and stderr (warnings and log records included) are
-captured, with the environment and the working directory of a user's shell. The other cases (``mm train``,
-the training processes of one included, ``mm plugins`` and the command-line errors) run as real
-subprocesses, a few at a time, while the in-process ones run.
+the CLI's entry point in this process as the ``mm`` script does (``_mm.mm_here``: exit status, traceback,
+stdout and stderr with warnings and log records, a user's environment and working directory). The other
+cases (``mm train``, the training processes of one included, ``mm plugins`` and the command-line errors) run
+as real subprocesses, a few at a time, while the in-process ones run.
 """
 
 from __future__ import annotations
 
-import io
-import logging
-import os
 import re
 import subprocess
-import traceback
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _mm import mm_here
 
 
 @dataclass(frozen=True)
@@ -107,68 +101,6 @@ GOOD = {
 
 #: commands run in this process (they neither launch processes nor train)
 IN_PROCESS = ("check",)
-#: what `mm` (conftest.clean_env) runs without: torchrun's variables
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _python_default_warning_filters() -> None:
-    """The warning filters of a fresh interpreter (what the ``mm`` script starts with), not pytest's."""
-    warnings.resetwarnings()
-    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
-    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-        warnings.simplefilter("ignore", category, append=True)
-
-
-def mm_in_process(cwd: Path, *args: Any) -> subprocess.CompletedProcess[str]:
-    """``mm ARGS`` run in ``cwd`` by ``mm_core.cli.main`` in this process, as the ``mm`` script runs it
-    (``sys.exit(main())``): the exit status (0, main's return value, a SystemExit's code, or 1 and the
-    traceback on stderr for any other exception) and what it prints. What would reach the script's stderr
-    reaches the captured stderr: warnings (under a fresh interpreter's filters), log records without a
-    handler (logging's last resort) and those of a library's own stream handler. The environment (without
-    torchrun's variables), the working directory, logging and warnings are restored afterwards."""
-    from mm_core.cli import main
-
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    env, cwd_before = dict(os.environ), os.getcwd()
-    root = logging.getLogger()
-    root_handlers, root_level = root.handlers[:], root.level
-    streams = [
-        (h, h.stream)
-        for logger in logging.Logger.manager.loggerDict.values()
-        if isinstance(logger, logging.Logger)
-        for h in logger.handlers
-        if type(h) is logging.StreamHandler
-    ]
-    try:
-        for key in TORCHRUN_ENV:
-            os.environ.pop(key, None)
-        os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        os.chdir(cwd)
-        root.handlers, root.level = [], logging.WARNING  # pytest's log capture off: the last resort prints
-        for handler, _ in streams:  # not setStream: it flushes the old stream, which may be closed
-            handler.stream = err
-        with warnings.catch_warnings(record=True) as caught, redirect_stdout(out), redirect_stderr(err):
-            _python_default_warning_filters()
-            try:
-                code = main(argv)
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if isinstance(exc.code, str):
-                    print(exc.code, file=err)
-            except Exception:
-                traceback.print_exc(file=err)
-                code = 1
-        for w in caught:
-            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
-    finally:
-        for handler, stream in streams:
-            handler.stream = stream
-        root.handlers, root.level = root_handlers, root_level
-        os.chdir(cwd_before)
-        os.environ.clear()
-        os.environ.update(env)
-    return subprocess.CompletedProcess(["mm", *argv], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +125,7 @@ def runs(
             for name, local, folder, args in jobs
             if not local
         }
-        done = {name: (mm_in_process(folder, *args), folder) for name, local, folder, args in jobs if local}
+        done = {name: (mm_here(*args, cwd=folder), folder) for name, local, folder, args in jobs if local}
         done.update({name: (fut.result(), folder) for name, (fut, folder) in futures.items()})
     return {name: done[name] for name, _, _, _ in jobs}
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _mm import mm_here
 
 import mm_data_text.units as units_mod
 from mm_core.data.cache import open_cache, verify_cache
@@ -184,11 +185,9 @@ def test_a_failed_build_leaves_the_last_good_cache(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
 
 
-def test_mm_data_prepare_and_verify(tmp_path, capsys):
+def test_mm_data_prepare_and_verify(tmp_path):
     """``mm data prepare`` (2 preparation processes) as a subprocess, then the later commands in this
-    process through the same entry (``mm_core.cli.main``): exit status and output."""
-    from mm_core.cli import main
-
+    process through the same entry (``_mm.mm_here``): exit status and output."""
     cfg = REPO / "examples" / "quickstart" / "config.yaml"
     cache = f"data.dataset_param.basic_parameters.cache_dir={tmp_path}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -198,14 +197,7 @@ def test_mm_data_prepare_and_verify(tmp_path, capsys):
     assert "text_pretrain: prepared:" in first.stdout and "blocks of 256" in first.stdout
 
     def mm(*args: str) -> subprocess.CompletedProcess:
-        cwd = os.getcwd()
-        os.chdir(REPO)  # the quickstart's paths are relative to the repository root
-        try:
-            code = main(["data", *args])
-        finally:
-            os.chdir(cwd)
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out.out, out.err)
+        return mm_here("data", *args)  # cwd: the repository root (the quickstart's paths are relative to it)
 
     second = mm("prepare", str(cfg), cache)
     assert "already prepared (current)" in second.stdout
