@@ -10,6 +10,7 @@ from transformers import Qwen3_5MoeForConditionalGeneration
 
 from mm_core.models import ModelPlan, TransformersExperts
 
+from ._deltanet_ulysses import use_ulysses_deltanet
 from ._moe import init_qwen3_5_moe
 from ._vl import QWEN_VL_PLAN, QwenVLPlans
 
@@ -29,4 +30,6 @@ class Qwen3_5MoeForTraining(TransformersExperts, QwenVLPlans, Qwen3_5MoeForCondi
             "model.language_model.layers.{*}.mlp.shared_expert_gate",
         ),
         init_weights=init_qwen3_5_moe,
+        ulysses_layer_types=("linear_attention",),
+        ulysses_layers=use_ulysses_deltanet,
     )

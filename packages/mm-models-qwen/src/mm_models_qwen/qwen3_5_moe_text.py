@@ -10,6 +10,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 from mm_core.models import ModelPlan, TransformersExperts
 
+from ._deltanet_ulysses import use_ulysses_deltanet
 from ._moe import init_qwen3_5_moe
 
 
@@ -27,4 +28,6 @@ class Qwen3_5MoeTextForTraining(TransformersExperts, Qwen3_5MoeForCausalLM):
         muon_exclude_modules=("model.layers.{*}.mlp.gate", "model.layers.{*}.mlp.shared_expert_gate"),
         output_head="lm_head",
         init_weights=init_qwen3_5_moe,
+        ulysses_layer_types=("linear_attention",),
+        ulysses_layers=use_ulysses_deltanet,
     )

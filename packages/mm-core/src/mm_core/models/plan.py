@@ -79,6 +79,14 @@ class ModelPlan:
     #: gradients through the model's own collectives (FSDP averages over ``dp_shard × cp``). None: mm splits
     #: the batch (see ``cp_split_module``)
     context_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
+    #: layer types besides full attention (``ModelFacts.other_layer_types``, e.g. Qwen3.5's
+    #: ``"linear_attention"``) that run under Ulysses context parallelism, made to by ``ulysses_layers``
+    ulysses_layer_types: tuple[str, ...] = ()
+    #: ``hook(model, ulysses_size)``, called once when ``parallel.ulysses_parallel_size > 1``, before
+    #: sharding: gives the layers of ``ulysses_layer_types`` their Ulysses forward (they exchange heads for
+    #: the sequence themselves, reading the layout mm passes to every layer). Ring attention stays refused
+    #: for such a model
+    ulysses_layers: Callable[[nn.Module, int], None] | None = None
 
     def __post_init__(self) -> None:
         for name in _PATTERN_FIELDS:
@@ -111,7 +119,12 @@ class ModelPlan:
             )
         if self.router_loss_refusal is not None and not isinstance(self.router_loss_refusal, str):
             raise TypeError(f"ModelPlan.router_loss_refusal: {self.router_loss_refusal!r} is not a string")
-        for hook_name in ("init_weights", "count_tokens", "context_parallel"):
+        if isinstance(self.ulysses_layer_types, str):
+            raise TypeError("ModelPlan.ulysses_layer_types: give a tuple of layer types, not a string")
+        object.__setattr__(self, "ulysses_layer_types", tuple(self.ulysses_layer_types))
+        if bool(self.ulysses_layer_types) != (self.ulysses_layers is not None):
+            raise ValueError("ModelPlan.ulysses_layer_types and ModelPlan.ulysses_layers go together")
+        for hook_name in ("init_weights", "count_tokens", "context_parallel", "ulysses_layers"):
             hook = getattr(self, hook_name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"ModelPlan.{hook_name}: {hook!r} is not callable")
@@ -139,6 +152,8 @@ class ModelPlan:
 
         if self.context_parallel is not None:
             cp = f"- (the model splits itself: {named(self.context_parallel)})"
+        if self.ulysses_layer_types:
+            cp += f"; under Ulysses also {', '.join(self.ulysses_layer_types)} ({named(self.ulysses_layers)})"
         return [
             f"  fsdp_units            {patterns(self.fsdp_units)}",
             f"  recompute_units       {patterns(self.recompute_units)}",

@@ -28,7 +28,7 @@ from torch import nn
 from mm_core.config.schema import ModelConfig
 from mm_core.errors import ConfigError
 from mm_core.models.facts import ModelFacts
-from mm_core.models.plan import ModelPlan
+from mm_core.models.plan import ModelPlan, plan_of
 from mm_core.parallel.state import ParallelSizes, ParallelState
 from mm_core.train.loss import IGNORE_INDEX
 from mm_parallel.context import (
@@ -100,6 +100,8 @@ class ContextPlan:
     split_module: str | None
     #: whether only the language model's attention is switched (a model with towers)
     text_only: bool
+    #: ``parallel.ulysses_parallel_size`` (the model's ``ModelPlan.ulysses_layers`` get it)
+    ulysses: int = 1
 
     def describe(self) -> str:
         if self.attention is None:
@@ -135,15 +137,25 @@ def plan_context_parallel(
             f"{key}: model {mcfg.model_id!r} ({type(model).__name__}) is not a transformers "
             "model using AttentionInterface, which context parallelism plugs into"
         )
-    towers, kinds = list(facts.towers), list(facts.other_layer_types)
-    split_at = plan.cp_split_module
+    towers, split_at = list(facts.towers), plan.cp_split_module
+    kinds = [kind for kind in facts.other_layer_types if kind not in plan.ulysses_layer_types]
+    own = [kind for kind in facts.other_layer_types if kind in plan.ulysses_layer_types]
+    if own and sizes.ring > 1:
+        raise ConfigError(
+            f"parallel.ring_attention_size: got {sizes.ring}; model {mcfg.model_id!r} has layers of type "
+            f"{own}, which carry a recurrent state through the sequence in order, while ring attention gives "
+            "each rank zigzag chunks of it; these layers run under Ulysses only "
+            "(use parallel.ulysses_parallel_size and ring_attention_size: 1)"
+        )
     if (towers and not split_at) or kinds:
         what = f"layers of type {kinds}" if kinds else f"sub-models {towers}"
         raise ConfigError(
             f"{key}: model {mcfg.model_id!r} has {what}; context parallelism supports "
-            "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe), with other towers "
-            "only when the model's plan names where to split the sequence (ModelPlan.cp_split_module, e.g. "
-            "qwen3_vl)"
+            "decoders whose every layer is full causal attention (e.g. qwen3, qwen3_moe) or of a type the "
+            "model's plan runs under Ulysses (ModelPlan.ulysses_layer_types, e.g. qwen3_5's linear "
+            "attention), "
+            "with other towers only when the model's plan names where to split the sequence "
+            "(ModelPlan.cp_split_module, e.g. qwen3_vl)"
         )
     heads = facts.num_heads
     if sizes.ulysses > 1 and heads and heads % sizes.ulysses:
@@ -151,7 +163,7 @@ def plan_context_parallel(
             f"parallel.ulysses_parallel_size: got {sizes.ulysses}; it must divide the model's "
             f"num_attention_heads {heads}"
         )
-    return ContextPlan(key, ATTENTION_NAME, split_at if towers else None, bool(towers))
+    return ContextPlan(key, ATTENTION_NAME, split_at if towers else None, bool(towers), sizes.ulysses)
 
 
 def use_context_parallel_attention(model: nn.Module, cp: ContextPlan, facts: ModelFacts) -> None:
@@ -159,6 +171,9 @@ def use_context_parallel_attention(model: nn.Module, cp: ContextPlan, facts: Mod
     its own sequence), and check that it took it."""
     if cp.attention is None:
         return
+    plan = plan_of(model)
+    if plan.ulysses_layers is not None and cp.ulysses > 1:
+        plan.ulysses_layers(model, cp.ulysses)
     set_attn_implementation: Any = model.set_attn_implementation
     if cp.text_only:  # only the language model: the towers keep their attention over their own inputs
         set_attn_implementation({"text_config": register_attention()})
