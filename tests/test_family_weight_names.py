@@ -5,7 +5,12 @@ registration undoes (``mm_core.models.hub.share_weight_conversions``).
 
 The same folders, and Qwen3.5's, load into a model built on the meta device and sharded on 2 gloo ranks (FSDP
 over both ranks; expert parallel 2 for the MoE models) equal to a load without meta: the per-rank reader
-applies transformers' renamings and fuses each rank's experts (``mm_core.checkpoint.hf_reader``)."""
+applies transformers' renamings and fuses each rank's experts (``mm_core.checkpoint.hf_reader``).
+
+Which renamings apply is transformers' choice, by class name and ``model_type``; ``fully_shard`` gives a
+sharded module a class of its own, and the reader makes transformers choose for it as for the class it
+replaced: the mapping of each of these models (mm's classes, and transformers' own classes registered as they
+are), with every transformers model in it sharded, equals the mapping of the model unsharded."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from _audio import AUDIO_CONFIG, MOE_TEXT, TEXT_CONFIG, VISION_CONFIG
 from _launch import Call, run_in_one_launch
 from _mm import QUICKSTART
 from _tiny import qwen3_5_overrides
@@ -134,3 +141,46 @@ def test_meta_built_sharded_models_load_hub_folders_as_without_meta(tmp_path):
     assert {key.split()[0] for key in report} == set(META_IDS)
     assert sum(key.endswith("ep=2") for key in report) >= 5, sorted(report)  # the MoE models
     assert {key: names for key, names in report.items() if names} == {}
+
+
+def _mapping(model: torch.nn.Module) -> list[tuple]:
+    """transformers' conversion mapping of ``model`` (how it loads checkpoints), as comparable values."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return [
+        (type(t).__name__, t.source_patterns, t.target_patterns, t.scope_prefix, t.base_model_prefix,
+         [type(op).__name__ for op in getattr(t, "operations", [])])
+        for t in get_model_conversion_mapping(model)
+    ]  # fmt: skip
+
+
+def test_sharded_models_map_weights_as_unsharded(group):
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from transformers import PreTrainedModel, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from mm_core.checkpoint.hf_reader import map_sharded_as_unsharded
+
+    omni = {
+        "audio_config": AUDIO_CONFIG,
+        "vision_config": VISION_CONFIG,
+        "text_config": {"vocab_size": 128, **TEXT_CONFIG, **MOE_TEXT},
+    }
+    models = {m: ModelHub.build(ModelConfig(model_id=m, from_scratch=True, config_overrides=o), meta=True)
+              for m, o in {**META_IDS, "qwen3_omni_moe": omni}.items()}  # fmt: skip
+    with torch.device("meta"):  # transformers' classes as they are (a plugin may register one)
+        for cls, model_id in ((Qwen3MoeForCausalLM, "qwen3_moe"),
+                              (Qwen3OmniMoeThinkerForConditionalGeneration, "qwen3_omni_moe")):  # fmt: skip
+            models[cls.__name__] = cls._from_config(models[model_id].config)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    differ = {}
+    for name, model in models.items():
+        unsharded = _mapping(model)
+        for module in reversed(list(model.modules())):  # each transformers model of it, innermost first
+            if isinstance(module, PreTrainedModel):
+                fully_shard(module)
+        assert isinstance(model, FSDPModule)
+        map_sharded_as_unsharded(model)
+        if _mapping(model) != unsharded:
+            differ[name] = (unsharded, _mapping(model))
+    assert differ == {}

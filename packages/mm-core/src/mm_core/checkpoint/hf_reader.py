@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from safetensors import safe_open
@@ -38,6 +38,7 @@ from torch.futures import Future
 from mm_core.errors import CheckpointError
 
 _NATURAL = re.compile(r"(\d+)")
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -154,14 +155,61 @@ class _Converted:
     conversion: _Conversion
 
 
+def unsharded_class(cls: type[_M]) -> type[_M]:
+    """The class ``fully_shard`` (or ``replicate``) replaced: they give a module a class of their own,
+    ``type(f"FSDP{name}", (FSDPModule, cls), ...)``; any other class is returned as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cast("type[_M]", original)  # a base of cls after FSDPModule: one of its module classes
+
+
+def map_sharded_as_unsharded(model: nn.Module) -> None:
+    """Make transformers' conversion mapping treat each ``PreTrainedModel`` module of ``model`` whose class
+    ``fully_shard`` replaced as the class it replaced.
+
+    transformers looks a module's mapping up by class name, then by ``model_type`` (for a class defined
+    outside transformers only when the user registered that name or type). A sharded module's class is
+    defined in torch under another name, so a mapping found by the original class's name is lost (Qwen3-Omni's
+    thinker: its exported ``model.*`` text weights would not become ``model.language_model.*``), and so is
+    the ``model_type`` mapping of a transformers class (a sharded ``Qwen3MoeForCausalLM`` would not fuse its
+    experts). This registers, through transformers' ``register_checkpoint_conversion_mapping``, the mapping
+    transformers finds for the original class under the new class's name, or re-registers the original's
+    ``model_type`` mapping unchanged where the lookup goes by ``model_type`` (as
+    :func:`mm_core.models.hub.share_weight_conversions` does for a subclass); idempotent."""
+    from transformers import PreTrainedModel, conversion_mapping
+
+    # transformers' conversion_mapping functions are unannotated
+    find = cast("Callable[[str], list[Any] | None]", conversion_mapping.get_checkpoint_conversion_mapping)
+    register = conversion_mapping.register_checkpoint_conversion_mapping
+    user = conversion_mapping.USER_REGISTERED_MAPPINGS
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        cls = type(module)
+        original = unsharded_class(cls)
+        if original is cls or cls.__name__ in user:
+            continue
+        model_type = str(getattr(module.config, "model_type", None) or "")
+        if original.is_custom_code() and original.__name__ not in user and model_type not in user:
+            continue  # transformers applies no mapping to the original class, nor to the sharded one
+        by_class = find(original.__name__)
+        if by_class is not None:
+            register(cls.__name__, by_class, overwrite=True)
+        elif model_type and model_type not in user and (by_type := find(model_type)) is not None:
+            register(model_type, by_type, overwrite=True)
+
+
 def _conversion_rules(model: nn.Module) -> tuple[list[Any], list[Any]]:
-    """transformers' renamings and converters for ``model`` (none for a model outside transformers)."""
+    """transformers' renamings and converters for ``model`` as built, before sharding (none for a model
+    outside transformers)."""
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
     if not isinstance(model, PreTrainedModel):
         return [], []
+    map_sharded_as_unsharded(model)
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
@@ -177,8 +225,9 @@ def _files(path: Path) -> list[Path]:
 
 class ConvertingHFReader(FileSystemReader):
     """A DCP storage reader of the safetensors folder ``path`` under ``model``'s weight names (module
-    docstring). ``model`` is the (sharded) model being loaded: its class selects transformers' conversion
-    mapping and its state-dict names decide how a checkpoint name is completed (``base_model_prefix``)."""
+    docstring). ``model`` is the (sharded) model being loaded: its classes, as they were before sharding
+    (:func:`map_sharded_as_unsharded`), select transformers' conversion mapping, and its state-dict names
+    decide how a checkpoint name is completed (``base_model_prefix``)."""
 
     def __init__(self, path: str | Path, model: nn.Module) -> None:
         super().__init__(path=str(path))
