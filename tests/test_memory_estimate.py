@@ -3,6 +3,7 @@ plans fail with errors that name the YAML key."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -96,6 +97,73 @@ def test_activation_estimate_equals_saved_tensors(chunked):
     selective = "model.recompute_plan.recompute_granularity=selective"
     sel, _ = _estimate(meta, _cfg("model.recompute=true", every_layer, selective))
     assert full < sel < 0.5 * estimated
+
+
+#: a tiny hybrid decoder: 3 Gated DeltaNet layers (query/key heads repeated to 6 value heads of another width)
+#: and 1 gated full-attention layer
+HYBRID_TEXT = {
+    "hidden_size": 40,
+    "num_hidden_layers": 4,
+    "vocab_size": 256,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}
+HYBRID = {
+    "qwen3_5": {
+        "text_config": {**HYBRID_TEXT, "intermediate_size": 64},
+        "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "out_hidden_size": 40},
+    },
+    "qwen3_5_moe_text": {**HYBRID_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_id", sorted(HYBRID))
+def test_hybrid_decoder_estimate_equals_saved_tensors(model_id):
+    """Qwen3.5's Gated DeltaNet + gated attention layers (dense MLP, and experts with a shared expert), in
+    bf16 as the guide's layout computes: the estimate counts each tensor autograd keeps, with its dtype (the
+    norms and the delta rule in fp32). 100 tokens: the delta rule pads them to two chunks of 64."""
+    tokens = 100
+    cfg = _hybrid_cfg(model_id, tokens)
+    torch.manual_seed(0)
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True})).to(torch.bfloat16)
+    estimated, transient = _estimate(model, cfg)
+    head = apply_chunked_loss(model, _plan(model, cfg).chunked)
+    assert head is not None
+    ids = torch.randint(0, HYBRID_TEXT["vocab_size"], (1, tokens))
+
+    def forward_loss(ids):
+        with head.computing_loss(shift_labels(ids)):
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+    measured = _measure(model, ids, forward_loss)
+    # left out: the final norm's fp32 copies, the rotary tables, the token ids (under 1% here)
+    assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+    # under full recompute each layer keeps its input (100 x 40 bf16) and one layer's tensors come back
+    meta = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    full, full_transient = _estimate(meta, _hybrid_cfg(model_id, tokens, "model.recompute=true"))
+    assert 4 * tokens * 40 * 2 < full < 0.2 * estimated
+    assert full_transient == 2 * transient  # the largest layer (a Gated DeltaNet one), and its gradients
+
+
+def _hybrid_cfg(model_id: str, tokens: int, *overrides: str):
+    return _cfg(
+        f"data.dataset_param.basic_parameters.seq_len={tokens}",
+        "training.micro_batch_size=1",
+        f"model.model_id={model_id}",
+        "model.model_name_or_path=null",
+        f"model.config_overrides={json.dumps(HYBRID[model_id])}",
+        "parallel.fsdp_plan.apply_modules=[]",
+        "parallel.fsdp_plan.param_dtype=bf16",
+        *overrides,
+    )
 
 
 def test_memory_plans_resolve_defaults_and_refuse_bad_values():

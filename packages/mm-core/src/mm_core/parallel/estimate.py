@@ -14,7 +14,9 @@ Everything is derived from what is stored, not fitted:
   their product); outside the layers the final norm and ``lm_head`` input (3 hidden-sized) and the fp32
   log-probabilities of the loss (vocabulary-sized) -- or, with the chunked loss, the gradient of the head's
   weight computed in the forward (one chunk of logits exists at a time). Counted this way the total matches
-  what autograd's saved-tensor hooks report for Qwen3 exactly (see docs/memory.md);
+  what autograd's saved-tensor hooks report for Qwen3 exactly (see docs/memory.md); a hybrid decoder of
+  gated delta-rule and gated attention layers (Qwen3.5) is counted layer by layer, each tensor with its dtype
+  (:mod:`mm_core.parallel.layer_bytes`);
 - with full recompute a checkpointed layer keeps only its input, and one layer's activations exist again
   while it is recomputed in backward; selective recompute also keeps the attention output (and its
   log-sum-exp) of each layer;
@@ -37,9 +39,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from mm_core.models.facts import ModelFacts
+from mm_core.parallel.layer_bytes import LayerBytes, hybrid_layer_bytes, standard_layer_bytes
 from mm_core.parallel.plan import BuildPlan
 
-_LAYER = re.compile(r"(^|\.)layers\.\d+$")
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 
 
 @dataclass
@@ -63,18 +66,6 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-def _layer_activation_bytes(
-    facts: ModelFacts, tokens: int, itemsize: int, qk_norm: bool
-) -> tuple[float, float, float]:
-    """Per micro-batch: (bytes one decoder layer saves, its input, what selective recompute keeps)."""
-    h, i = facts.hidden_size, facts.intermediate_size
-    heads = facts.num_heads
-    q, kv = heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
-    per_token = 6 * h + (4 if qk_norm else 2) * (q + kv) + 4 * i
-    kept_selective = tokens * (q * itemsize + heads * 4)  # attention output + fp32 log-sum-exp
-    return tokens * per_token * itemsize, tokens * h * itemsize, kept_selective
-
-
 def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
     """The name of the decoder's layer list: the ``...layers`` list of ``n_layers`` modules, the language
     model's when towers have layer lists of their own (an audio encoder's ``layers``)."""
@@ -89,6 +80,20 @@ def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
     return (preferred or lists or [None])[0]
 
 
+def _layer_bytes(model: nn.Module, facts: ModelFacts, tokens: int, itemsize: int) -> list[LayerBytes] | None:
+    """Each decoder layer's bytes (:mod:`mm_core.parallel.layer_bytes`), or None when the decoder is not one
+    this estimate understands."""
+    known = (facts.hidden_size, facts.num_heads, facts.num_layers, facts.vocab_size)
+    if not all(known):
+        return None
+    if "linear_attention" in (getattr(facts.text_config, "layer_types", None) or ()):
+        return hybrid_layer_bytes(facts, tokens, itemsize)
+    if not facts.intermediate_size:
+        return None
+    qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
+    return [standard_layer_bytes(facts, tokens, itemsize, qk_norm)] * facts.num_layers
+
+
 def estimate_activations(
     model: nn.Module, plan: BuildPlan, tokens: int, device_type: str = "cpu"
 ) -> tuple[float, float]:
@@ -97,26 +102,32 @@ def estimate_activations(
     audio) this is its language model's: the towers' activations depend on the images and clips of the
     batch (not included)."""
     facts = plan.facts
-    known = (facts.hidden_size, facts.intermediate_size, facts.num_heads, facts.num_layers, facts.vocab_size)
-    if not all(known) or not tokens:
+    if not tokens:
         return 0.0, 0.0
     from mm_core.parallel.apply import to_dtype
 
     itemsize = to_dtype(plan.mixed_precision.param_dtype).itemsize
-    qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
-    layer, layer_input, selective = _layer_activation_bytes(facts, tokens, itemsize, qk_norm)
-    n_layers = facts.num_layers
-    layers = _decoder_layers(model, n_layers)
+    per_layer = _layer_bytes(model, facts, tokens, itemsize)
+    if per_layer is None:
+        return 0.0, 0.0
+    layer_input = tokens * facts.hidden_size * itemsize
+    layers = _decoder_layers(model, facts.num_layers)
 
-    def in_decoder(names: Sequence[str]) -> int:
-        return sum(1 for n in names if _LAYER.search(n) and (layers is None or n.startswith(layers + ".")))
+    def in_decoder(names: Sequence[str]) -> set[int]:
+        found = (_LAYER.search(n) for n in names if layers is None or n.startswith(layers + "."))
+        return {int(m.group(2)) for m in found if m}
 
-    n_recomputed = in_decoder(plan.memory.recompute)
-    n_offloaded = in_decoder(plan.memory.offload) if device_type != "cpu" else 0
-    kept_recomputed = layer_input + (selective if plan.memory.recompute_mode == "selective" else 0)
-    acts = (n_layers - n_recomputed - n_offloaded) * layer + n_recomputed * kept_recomputed
+    recomputed = in_decoder(plan.memory.recompute)
+    offloaded = in_decoder(plan.memory.offload) if device_type != "cpu" else set()
+    selective = plan.memory.recompute_mode == "selective"
+    acts = 0.0
+    for index, layer in enumerate(per_layer):
+        if index in recomputed:
+            acts += layer_input + (layer.selective if selective else 0)
+        elif index not in offloaded:
+            acts += layer.saved
     acts += 3 * tokens * facts.hidden_size * itemsize
-    layer_grads = layer * (2 if n_recomputed else 1)
+    layer_grads = max(layer.saved for layer in per_layer) * (2 if recomputed else 1)
     vocab = facts.vocab_size
     if plan.chunked.path is None:
         acts += tokens * vocab * 4
