@@ -105,8 +105,8 @@ HYBRID_TEXT = {
     "hidden_size": 40,
     "num_hidden_layers": 4,
     "vocab_size": 256,
-    "num_attention_heads": 3,
-    "num_key_value_heads": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
     "head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 6,
@@ -151,6 +151,12 @@ def test_hybrid_decoder_estimate_equals_saved_tensors(model_id):
     full, full_transient = _estimate(meta, _hybrid_cfg(model_id, tokens, "model.recompute=true"))
     assert 4 * tokens * 40 * 2 < full < 0.2 * estimated
     assert full_transient == 2 * transient  # the largest layer (a Gated DeltaNet one), and its gradients
+    # Ulysses 2: a rank holds half the tokens (in attention all of them for half the heads: the same bytes)
+    recompute = _hybrid_cfg(model_id, tokens, "model.recompute=true", "parallel.ulysses_parallel_size=2")
+    sizes = ParallelSizes(world_size=2, dp_replicate=1, dp_shard=1, ulysses=2)
+    cp_plan = resolve_build(meta, build_settings(recompute), sizes)
+    half = _estimate(meta, _hybrid_cfg(model_id, tokens // 2, "model.recompute=true"))
+    assert estimate_activations(meta, cp_plan, tokens) == half
 
 
 def _hybrid_cfg(model_id: str, tokens: int, *overrides: str):

@@ -100,8 +100,10 @@ def estimate_activations(
     """(saved activations, backward-start transient) in bytes for one micro-batch of ``tokens`` (padded),
     or (0, 0) when the model is not a decoder this estimate understands. For a model with towers (vision,
     audio) this is its language model's: the towers' activations depend on the images and clips of the
-    batch (not included)."""
+    batch (not included). Under context parallelism a rank holds 1/cp of the sequence (with Ulysses, inside
+    attention, the whole sequence of 1/cp of the heads: the same bytes), so ``tokens`` is divided by cp."""
     facts = plan.facts
+    tokens = -(-tokens // plan.sizes.cp)
     if not tokens:
         return 0.0, 0.0
     from mm_core.parallel.apply import to_dtype
