@@ -29,7 +29,8 @@ PARAMETERS = {
 }
 
 
-#: cases whose activations mm check does not estimate (video, speech: not decoder language models it reads)
+#: cases whose activations mm check does not estimate (a video diffusion transformer; a nested talker config;
+#: a run without a configured sequence length)
 NOT_ESTIMATED = {"ltx2", "qwen3_tts_1p7b", "cosyvoice3_lm"}
 
 
