@@ -20,6 +20,7 @@ import pytest
 import torch
 from _launch import Call, run_in_one_launch
 from _mm import QUICKSTART, REPO
+from _vlm import make_family_assets
 from test_ep_parity import moe_config
 
 from mm_core.config import load_config
@@ -27,10 +28,13 @@ from mm_core.parallel.apply import meta_init
 from mm_core.tasks.building import materialize_device
 
 SMALL = ["training.micro_batch_size=2", "data.dataset_param.basic_parameters.seq_len=32"]
-#: (name, overrides beyond SMALL, whether the config is the MoE one)
+#: (name, overrides beyond SMALL, the config: None the quickstart, "moe" a tiny Qwen3-MoE, else a family
+#: of tests/_vlm.py with images)
 BUILDS = [
-    ("dense_fsdp", [], False),
-    ("moe_ep", ["parallel.expert_parallel_size=2"], True),
+    ("dense_fsdp", [], None),
+    ("moe_ep", ["parallel.expert_parallel_size=2"], "moe"),
+    ("kimi_k25_ep", ["parallel.expert_parallel_size=2"], "kimi_k25"),
+    ("step3p7_ep", ["parallel.expert_parallel_size=2"], "step3p7"),
 ]
 
 
@@ -66,8 +70,12 @@ def test_cpu_offload_materialises_on_the_host():
     assert materialize_device(plain, accelerator) == accelerator
 
 
-def _config(moe: bool, root: Path) -> Path:
-    return moe_config(root) if moe else QUICKSTART
+def _config(kind: str | None, root: Path) -> Path:
+    if kind is None:
+        return QUICKSTART
+    if kind == "moe":
+        return moe_config(root)
+    return make_family_assets(root / kind, kind)
 
 
 def build_whole_weights(config: str, overrides: list[str], out: str) -> None:
@@ -96,34 +104,33 @@ def build_whole_weights(config: str, overrides: list[str], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """The whole tensors of each build on 2 ranks (one launch)."""
+    """The config of each build, and the whole tensors of its build on 2 ranks (one launch)."""
     root = tmp_path_factory.mktemp("seeded")
-    items = []
-    for name, overrides, moe in BUILDS:
-        items.append(
-            Call(
-                name,
-                "test_meta_default:build_whole_weights",
-                (str(_config(moe, root)), overrides, str(root / f"{name}.pt")),
-            )
+    configs = {name: str(_config(kind, root)) for name, _, kind in BUILDS}
+    items = [
+        Call(
+            name,
+            "test_meta_default:build_whole_weights",
+            (configs[name], overrides, str(root / f"{name}.pt")),
         )
+        for name, overrides, _ in BUILDS
+    ]
     run_in_one_launch(2, items, REPO, 300)
-    return root
+    return root, configs
 
 
 @pytest.mark.parametrize("name", [b[0] for b in BUILDS])
 def test_initial_weights_do_not_depend_on_the_layout(sharded, name, group, tmp_path):
-    _, overrides, moe = next(b for b in BUILDS if b[0] == name)
+    root, configs = sharded
+    overrides = next(b[1] for b in BUILDS if b[0] == name)
     one = [o for o in overrides if "expert_parallel_size" not in o]
-    build_whole_weights(str(_config(moe, sharded)), one, str(tmp_path / "one.pt"))
-    single = torch.load(tmp_path / "one.pt")
-    two = torch.load(sharded / f"{name}.pt")
+    build_whole_weights(configs[name], one, str(tmp_path / "one.pt"))
+    single = torch.load(tmp_path / "one.pt", weights_only=True)
+    two = torch.load(root / f"{name}.pt", weights_only=True)
     assert list(single) == list(two)
     for key in single:
         assert torch.equal(single[key], two[key]), key
     # the draws are not all equal: the seeded fills differ between parameters
     weights = [t for k, t in single.items() if k.endswith("weight") and t.dim() == 2]
-    assert not torch.equal(
-        weights[0][: weights[1].shape[0], : weights[1].shape[1]],
-        weights[1][: weights[0].shape[0], : weights[0].shape[1]],
-    )
+    a, b = weights[0], weights[1]
+    assert not torch.equal(a[: b.shape[0], : b.shape[1]], b[: a.shape[0], : a.shape[1]])

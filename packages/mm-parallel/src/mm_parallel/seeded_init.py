@@ -17,10 +17,11 @@ parameter:
 So a parameter's initial values are a function of ``(seed, name, shape, init)``: equal on every layout, in
 any order of initialisation (expert-parallel adapters initialised after the rest of the model get the values
 transformers' pass would have given the fused experts), and on 1 rank without sharding. Random fills of
-other tensors (temporaries an initialiser copies into a parameter) pass through to the global generator,
-whose state is the same on every rank. A random fill of a sharded tensor that is not a whole parameter (a
-slice of one) is refused: it could not be drawn independently of the layout. Values depend on the device
-type (the CPU and CUDA generators differ), as any seeded draw does.
+plain tensors (temporaries an initialiser copies into a parameter) pass through to the global generator,
+whose state is the same on every rank. A sharded temporary (``torch.nn.init.trunc_normal_`` draws into an
+``empty_like`` of the parameter) is drawn whole like a parameter, named by its rank among such temporaries:
+the initialisation makes them in the same order on every layout. Values depend on the device type (the CPU
+and CUDA generators differ), as any seeded draw does.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class _Param:
     fills: int = 0
 
 
-def _block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """The local tensor of ``tensor`` and its offsets and sizes in the whole tensor."""
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The local tensor of ``tensor`` (this rank's shard of a DTensor, else itself) and its offsets and sizes
+    in the whole tensor."""
     if isinstance(tensor, DTensor):
         chunks = tensor.__create_chunk_list__()  # type: ignore[no-untyped-call]
         if len(chunks) != 1:
@@ -98,9 +100,9 @@ class SeededInit(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.seed = seed
         self._params: dict[tuple[int, int, torch.device], _Param] = {}
-        self._sharded: set[tuple[int, int, torch.device]] = set()
+        self._temporaries = 0
         for name, tensor in named_tensors:
-            local, offsets, sizes = _block(tensor)
+            local, offsets, sizes = local_block(tensor)
             if local.numel() == 0:
                 continue  # nothing of it on this rank
             key = _key(local)
@@ -120,13 +122,14 @@ class SeededInit(TorchDispatchMode):  # type: ignore[no-untyped-call]
         local = target.to_local() if isinstance(target, DTensor) else target
         param = self._params.get(_key(local)) if local.numel() else None
         if param is None:
-            if isinstance(target, DTensor) and local.numel():
-                raise RuntimeError(
-                    f"{func}: a random fill of a sharded tensor of shape {tuple(target.shape)} that is not a "
-                    "whole parameter; seeded initialisation draws whole parameters only (fill the parameter, "
-                    "or a plain tensor copied into it)"
-                )
-            return func(*args, **kwargs)
+            if not isinstance(target, DTensor):
+                return func(*args, **kwargs)
+            # a sharded temporary: drawn whole, named by its place among the temporaries
+            _, offsets, sizes = local_block(target)
+            param = _Param(f"\0temporary {self._temporaries}", tuple(target.shape), offsets, sizes, local)
+            self._temporaries += 1
+            if not local.numel():
+                return target
         self._fill(param, func, args[1:], kwargs)
         param.fills += 1
         return target

@@ -30,7 +30,7 @@ from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.memory import ExecutionOrderPrefetch
 from mm_parallel.patterns import PatternError, match_modules
-from mm_parallel.seeded_init import SeededInit
+from mm_parallel.seeded_init import SeededInit, local_block
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -218,12 +218,25 @@ def materialize_meta(
         init_fn()
         if hook is not None:
             hook(model)
+    zero_padding_rows(model)
     if init:
         check_initialised(model)
         return
     for p in model.parameters():
         if p.is_floating_point():
             p.fill_(float("nan"))
+
+
+def zero_padding_rows(model: nn.Module) -> None:
+    """Zero the ``padding_idx`` row of every ``nn.Embedding`` in this rank's shard, as ``nn.Embedding`` and
+    transformers initialise it. An initialiser that zeroes ``weight[padding_idx]`` of a row-sharded weight
+    zeroes a gathered copy, not the shard that holds the row."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            local, offsets, sizes = local_block(module.weight)
+            row = module.padding_idx % module.num_embeddings
+            if offsets and offsets[0] <= row < offsets[0] + sizes[0]:
+                local[row - offsets[0]].zero_()
 
 
 def check_initialised(model: nn.Module) -> None:
