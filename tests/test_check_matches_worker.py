@@ -134,7 +134,7 @@ def test_check_prints_what_the_worker_logs(
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("build ")]
     logged = worker_logs[name]
     assert printed == logged
-    assert len(logged) == 4 * (2 if name == "two_models" else 1)
+    assert len(logged) == 5 * (2 if name == "two_models" else 1)
     if name == "lora":  # counted after the adapters: only they train
         assert "LoRA adapters on 4)" in logged[0] and "trainable, 0 frozen" not in logged[0]
     if name == "moe_ep":

@@ -1,6 +1,10 @@
-"""Every layout trains what one process would: 1 process, FSDP 2, DDP 2 and HSDP 2x2 (with hook_modules,
-prefetch and pregather) on the quickstart model in fp32, 10 steps, the same global batch of 8 sequences.
-Losses and gradient norms agree within 1e-5."""
+"""Every layout trains what one process would: 1 process, FSDP 2, FSDP 2 with CPU offload, DDP 2 and HSDP 2x2
+(with hook_modules, prefetch and pregather) on the quickstart model in fp32, 10 steps, the same global batch
+of 8 sequences. Losses and gradient norms agree within 1e-5.
+
+Every layout builds the model on the meta device (``training.init_model_with_meta_device: auto``, the
+default) and initialises it shard by shard; the seeded per-parameter draws make the initial weights the same
+on every layout, which the equal first-step losses show."""
 
 from __future__ import annotations
 
@@ -24,6 +28,15 @@ COMMON = [
 LAYOUTS = [
     ("single", 1, ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]),
     ("fsdp2", 2, ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]),
+    (  # FSDP2's CPU offload: the meta-built shards are materialised on the host
+        "fsdp2_offload",
+        2,
+        [
+            "training.micro_batch_size=2",
+            "training.gradient_accumulation_steps=2",
+            "parallel.fsdp_plan.cpu_offload=true",
+        ],
+    ),
     (
         "ddp2",
         2,

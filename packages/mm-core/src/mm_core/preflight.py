@@ -41,7 +41,9 @@ def _label(name: str, lines: list[str]) -> list[str]:
 
 def run_preflight(cfg: MMConfig, out: Callable[..., object] = print) -> None:
     """Verify the data, the weights and ``training.load``; print what was verified. Raises MMError."""
-    meta = cfg.training.init_model_with_meta_device
+    from mm_core.parallel.apply import meta_init
+
+    meta = meta_init(cfg.training.init_model_with_meta_device, cfg.model, cfg.training.lora)[0]
     for line in (*check_data(cfg), *check_weights(cfg.model, meta), *check_load(cfg.training)):
         out(line)
 
@@ -127,7 +129,8 @@ def _read_header(path: Path) -> int:
 
 def check_weights(model: ModelConfig, meta_init: bool = False) -> list[str]:
     """``model.model_name_or_path`` holds the weights the run loads (unless ``model.from_scratch``);
-    ``meta_init``: ``training.init_model_with_meta_device``."""
+    ``meta_init``: whether the model is built on the meta device (``training.init_model_with_meta_device``
+    resolved by :func:`~mm_core.parallel.apply.meta_init`)."""
     from transformers import PreTrainedModel
 
     from mm_core.models.hub import ModelHub

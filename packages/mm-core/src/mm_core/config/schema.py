@@ -227,7 +227,9 @@ class TrainingConfig(Block):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     adam_fused: bool = True
-    init_model_with_meta_device: bool = False
+    #: build on the meta device, shard, then initialise or load per rank; ``auto``: whenever the model can be
+    #: (see mm_core.parallel.apply.meta_init)
+    init_model_with_meta_device: bool | Auto = "auto"
     load: str | None = None
     load_strict: bool = True
     no_load_optim: bool = False

@@ -6,6 +6,8 @@ mm-parallel is called with explicit modules and meshes.
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import overload
 
 import torch
@@ -28,6 +30,7 @@ from mm_core.parallel.state import ParallelState
 from mm_parallel.fsdp import apply_fsdp, mixed_precision_policy
 from mm_parallel.memory import ExecutionOrderPrefetch
 from mm_parallel.patterns import PatternError, match_modules
+from mm_parallel.seeded_init import SeededInit, local_block
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -67,6 +70,31 @@ def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("model.freeze: every parameter is frozen; nothing would train")
     return names
+
+
+def meta_init(setting: bool | str, mcfg: ModelConfig, lora: LoraConfig | None) -> tuple[bool, str]:
+    """Whether the model of ``mcfg`` is built on the meta device (``training.init_model_with_meta_device``
+    ``setting``; ``lora``: ``training.lora`` of the main model, None for another model of a task), and why.
+
+    ``auto`` (the default) builds on meta unless the model cannot be filled there: LoRA adapters are added
+    to a whole model; a class without ``init_weights()`` cannot be initialised shard by shard; weights that
+    ``model.model_name_or_path`` holds in another format than safetensors are read by the model's own
+    loader. A built-on-meta model is sharded before any tensor is allocated, then initialised (seeded per
+    parameter, the same on every layout) or filled per rank from safetensors or the resumed checkpoint."""
+    if setting != "auto":
+        return bool(setting), f"training.init_model_with_meta_device: {str(setting).lower()}"
+    auto = "training.init_model_with_meta_device: auto"
+    if lora is not None and lora.enable:
+        return False, f"{auto} -> false (training.lora.enable: LoRA adapters are added to a whole model)"
+    from mm_core.models.hub import ModelHub
+
+    cls = ModelHub.model_class(mcfg)
+    if not callable(getattr(cls, "init_weights", None)):
+        return False, f"{auto} -> false ({cls.__name__} has no init_weights() to initialise shards)"
+    path = mcfg.model_name_or_path
+    if not mcfg.from_scratch and path and Path(path).is_dir() and not has_weights(path):
+        return False, f"{auto} -> false ({path} holds no safetensors: the model's own loader reads it)"
+    return True, f"{auto} -> true (built on the meta device, sharded, then filled per rank)"
 
 
 def prepare_model(
@@ -150,7 +178,12 @@ def shard_model(
 
 @torch.no_grad()
 def materialize_meta(
-    model: nn.Module, device: torch.device, *, init: bool, model_plan: ModelPlan | None = None
+    model: nn.Module,
+    device: torch.device,
+    *,
+    init: bool,
+    model_plan: ModelPlan | None = None,
+    seed: int = 0,
 ) -> None:
     """Allocate a meta-built (and sharded) model on ``device`` and run its ``init_weights()``, then the
     ``init_weights`` hook of its :class:`~mm_core.models.plan.ModelPlan` (``model_plan``, read from the model
@@ -163,7 +196,10 @@ def materialize_meta(
 
     The initialisation runs under DTensor's ``implicit_replication``: an init that builds a plain tensor of a
     parameter's full shape and copies it in (transformers' Gated DeltaNet ``A_log``, for one) copies each
-    rank's shard of it, as the unsharded model would be initialised.
+    rank's shard of it, as the unsharded model would be initialised. With ``init=True`` it also runs under
+    :class:`mm_parallel.seeded_init.SeededInit` with ``seed`` (``training.seed``): every random fill of a
+    parameter is drawn as if on the whole parameter from a generator seeded by the parameter's name, so the
+    initial weights are the same on every layout and number of ranks.
     """
     model.to_empty(device=device)
     tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
@@ -177,16 +213,30 @@ def materialize_meta(
             "implement it (BaseModel provides one) or set training.init_model_with_meta_device: false"
         )
     hook = (model_plan or plan_of(model)).init_weights
-    with implicit_replication():
+    seeded = SeededInit(model.named_parameters(), seed) if init else contextlib.nullcontext()
+    with implicit_replication(), seeded:
         init_fn()
         if hook is not None:
             hook(model)
+    zero_padding_rows(model)
     if init:
         check_initialised(model)
         return
     for p in model.parameters():
         if p.is_floating_point():
             p.fill_(float("nan"))
+
+
+def zero_padding_rows(model: nn.Module) -> None:
+    """Zero the ``padding_idx`` row of every ``nn.Embedding`` in this rank's shard, as ``nn.Embedding`` and
+    transformers initialise it. An initialiser that zeroes ``weight[padding_idx]`` of a row-sharded weight
+    zeroes a gathered copy, not the shard that holds the row."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            local, offsets, sizes = local_block(module.weight)
+            row = module.padding_idx % module.num_embeddings
+            if offsets and offsets[0] <= row < offsets[0] + sizes[0]:
+                local[row - offsets[0]].zero_()
 
 
 def check_initialised(model: nn.Module) -> None:
@@ -204,9 +254,13 @@ def check_initialised(model: nn.Module) -> None:
     if dist.is_initialized():
         dist.all_reduce(flag)  # every rank must agree, or the ones that did not raise would hang
     if flag.item() and not bad:
-        raise ConfigError("model: tensors were left uninitialised after building on meta (on another rank)")
+        raise ConfigError(
+            "model: tensors hold NaN after initialisation or loading (left uninitialised after building on "
+            "meta, or NaN in the checkpoint) on another rank"
+        )
     if bad:
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise ConfigError(
-            f"model: {len(bad)} tensors were left uninitialised after building on meta: {shown}"
+            f"model: {len(bad)} tensors hold NaN after initialisation or loading (left uninitialised after "
+            f"building on meta, or NaN in the checkpoint): {shown}"
         )

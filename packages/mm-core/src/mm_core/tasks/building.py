@@ -2,10 +2,11 @@
 other model a task trains (a discriminator, a second stage), so each gets the run's parallel layout.
 
 :func:`build_model` builds from a ``model:`` block (``ModelHub``: an ``mm.models`` plugin or a Hugging Face
-class), on the meta device when ``training.init_model_with_meta_device`` is set, freezes
-``model.freeze``, shards it with FSDP2 over the run's mesh (units, recompute, offload, expert parallelism
-from the model's plan or the YAML) and fills its weights: from the checkpoint the run resumes from, else
-from ``model.model_name_or_path``, else a fresh initialisation.
+class), on the meta device unless ``training.init_model_with_meta_device`` resolves to false (``auto``,
+the default: on meta whenever the model can be filled there, :func:`~mm_core.parallel.apply.meta_init`),
+freezes ``model.freeze``, shards it with FSDP2 over the run's mesh (units, recompute, offload, expert
+parallelism from the model's plan or the YAML) and fills its weights: from the checkpoint the run resumes
+from, else from ``model.model_name_or_path``, else a fresh initialisation.
 """
 
 from __future__ import annotations
@@ -13,11 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from mm_core.config.schema import MMConfig, ModelConfig
+from mm_core.config.schema import LoraConfig, MMConfig, ModelConfig, ParallelConfig
 from mm_core.models.hub import ModelHub, has_weights
-from mm_core.parallel.apply import check_initialised, materialize_meta, prepare_model, shard_model
+from mm_core.parallel.apply import (
+    check_initialised,
+    materialize_meta,
+    meta_init,
+    prepare_model,
+    shard_model,
+)
 from mm_core.parallel.plan import BuildPlan, BuildSettings, resolve_build
 from mm_core.parallel.state import ParallelSizes
 from mm_core.parallel.summary import describe_build, tokens_per_micro_batch
@@ -46,13 +54,32 @@ def build_settings(cfg: MMConfig, model_cfg: ModelConfig | None = None) -> Build
     )
 
 
+def built_on_meta(cfg: MMConfig, settings: BuildSettings) -> bool:
+    """Whether the model of ``settings`` is built on the meta device
+    (:func:`~mm_core.parallel.apply.meta_init` of ``training.init_model_with_meta_device``)."""
+    return meta_init(cfg.training.init_model_with_meta_device, settings.model, lora_of(cfg, settings))[0]
+
+
+def lora_of(cfg: MMConfig, settings: BuildSettings) -> LoraConfig | None:
+    """``training.lora`` for the main model; None (no adapters) for another model of a task."""
+    return cfg.training.lora if settings.main else None
+
+
+def materialize_device(parallel: ParallelConfig, device: torch.device) -> torch.device:
+    """Where the shards of a model built on the meta device are allocated: on the host with
+    ``parallel.fsdp_plan.cpu_offload`` (FSDP2's CPU offload keeps sharded parameters there and moves each
+    unit to ``device`` only while it computes), else on the run's ``device``."""
+    return torch.device("cpu") if parallel.fsdp_plan.cpu_offload else device
+
+
 def prepare_and_plan(
     model: nn.Module, cfg: MMConfig, settings: BuildSettings, sizes: ParallelSizes
 ) -> BuildPlan:
     """``model.freeze`` and LoRA (the main model only), then the build plan: the steps a worker takes before
     sharding, which ``mm check`` takes too."""
-    lora = cfg.training.lora if settings.main else None
-    prepared = prepare_model(model, settings.model, lora, meta_init=cfg.training.init_model_with_meta_device)
+    prepared = prepare_model(
+        model, settings.model, lora_of(cfg, settings), meta_init=built_on_meta(cfg, settings)
+    )
     return resolve_build(model, settings, sizes, prepared)
 
 
@@ -61,7 +88,7 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
     YAML's ``model:``."""
     settings = build_settings(ctx.cfg, model_cfg)
     mcfg = settings.model
-    meta = ctx.cfg.training.init_model_with_meta_device
+    meta = built_on_meta(ctx.cfg, settings)
     model = ModelHub.build(mcfg, meta=meta)
     plan = prepare_and_plan(model, ctx.cfg, settings, ctx.state.sizes)
     if not meta:
@@ -72,7 +99,11 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
         path = mcfg.model_name_or_path
         hf_weights = bool(not mcfg.from_scratch and path and has_weights(path))
         materialize_meta(
-            model, ctx.device, init=not (weights_from_load or hf_weights), model_plan=plan.model_plan
+            model,
+            materialize_device(plan.settings.parallel, ctx.device),
+            init=not (weights_from_load or hf_weights),
+            model_plan=plan.model_plan,
+            seed=ctx.cfg.training.seed,
         )
         if hf_weights and not weights_from_load:
             from mm_core.convert import load_hf_weights
@@ -93,4 +124,6 @@ def build_lines(cfg: MMConfig, model: nn.Module, plan: BuildPlan) -> list[str]:
     name = MAIN if plan.settings.main else plan.settings.model.model_id
     tokens = tokens_per_micro_batch(cfg.data, cfg.training.micro_batch_size)
     moments = optimizer_plugin(cfg.training.optimizer).states_per_param
-    return describe_build(name, model, plan, tokens, moments)
+    setting = cfg.training.init_model_with_meta_device
+    why = meta_init(setting, plan.settings.model, lora_of(cfg, plan.settings))[1]
+    return [*describe_build(name, model, plan, tokens, moments), f"build {name}: {why}"]

@@ -62,10 +62,9 @@ class TaskToolkit:
         return applied
 
     def after_load(self) -> None:
-        """With ``training.init_model_with_meta_device``: every weight of every model was filled."""
-        if self.ctx.cfg.training.init_model_with_meta_device:
-            for model in self.models:
-                check_initialised(model)
+        """Every weight of every model was filled (a model built on the meta device holds NaN until then)."""
+        for model in self.models:
+            check_initialised(model)
 
     def before_save(self, step: int) -> None:
         """Raise before a checkpoint of non-finite weights of any model is written."""
