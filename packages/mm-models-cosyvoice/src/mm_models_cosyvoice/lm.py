@@ -44,6 +44,16 @@ from transformers.utils import ModelOutput
 
 from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
+from mm_core.parallel.layer_bytes import (
+    INDEX,
+    ActivationCount,
+    ActivationQuery,
+    DecoderSizes,
+    decoder_layer_bytes,
+    loss_head_bytes,
+    rms_norm_bytes,
+    rotary_bytes,
+)
 from mm_core.train.loss import IGNORE_INDEX, shift_labels
 from mm_data_audio.cosyvoice.sequence import SpeechIds, prompt_sequence
 
@@ -147,6 +157,33 @@ def read_config(args: ModelArguments) -> tuple[Qwen2Config, int]:
     return config, speech_vocab
 
 
+def count_activations(model: nn.Module, query: ActivationQuery) -> ActivationCount:
+    """``ModelPlan.activations``: what a micro-batch keeps for backward (``mm check``'s memory estimate).
+
+    Qwen2's decoder layers (no q/k norms) over the micro-batch's tokens, the rotary tables, the two embedding
+    lookups (their int64 indices and the speech mask that picks between them), the final norm and the loss
+    over ``llm_decoder``'s ``speech_vocab + 200`` rows (not Qwen2's vocabulary: its ``lm_head`` is unused).
+    The attention mask of a padded micro-batch is not counted (docs/memory.md)."""
+    config: Any = model.config
+    tokens, s = query.local_tokens, query.itemsize
+    h, heads, kv_heads = (
+        int(config.hidden_size),
+        int(config.num_attention_heads),
+        int(config.num_key_value_heads),
+    )
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    sizes = DecoderSizes(h, int(config.intermediate_size), heads, kv_heads, head_dim)
+    layer = decoder_layer_bytes(sizes, tokens, s, qk_norm=False)
+    layers = {f"llm.model.model.layers.{i}": layer for i in range(int(config.num_hidden_layers))}
+    head: Any = model.get_submodule("llm_decoder")
+    rows = int(head.weight.shape[0])
+    kept, peak, start = loss_head_bytes(tokens, h, rows, s, query.chunk)
+    embeddings = tokens * (2 * INDEX + 1)
+    final_norm = tokens * (rms_norm_bytes(h, s) + h * s)
+    outside = embeddings + rotary_bytes(tokens, head_dim, s) + final_norm + kept
+    return ActivationCount(layers, outside, peak, start)
+
+
 class CosyVoice3LMForTraining(nn.Module, BaseModel):
     """CosyVoice3's LM (module docstring)."""
 
@@ -160,6 +197,7 @@ class CosyVoice3LMForTraining(nn.Module, BaseModel):
             "llm_decoder",
         ),
         output_head="llm_decoder",
+        activations=count_activations,
     )
 
     def __init__(self, config: Qwen2Config, speech_vocab: int = SPEECH_VOCAB) -> None:

@@ -56,6 +56,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from mm_core.errors import ConfigError, DataError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
 
+from .qwen3_tts_activations import count_activations
 from .qwen3_tts_config import (
     DEFAULT_LOSS_WEIGHT,
     DecoderConfig,
@@ -80,6 +81,7 @@ QWEN3_TTS_PLAN = ModelPlan(
         "talker.code_predictor.lm_head",
     ),
     loss_parts=("talker_loss", "code_predictor_loss"),
+    activations=count_activations,
 )
 
 

@@ -68,6 +68,7 @@ from .diffusers_model import (
     name_diffusers_class,
 )
 from .flow_matching import FlowMatching
+from .ltx2_activations import count_activations
 from .ulysses_ltx2 import UlyssesLTX2Split, attach_ulysses_ltx2
 
 #: config_overrides keys that are training settings, not transformer config keys
@@ -160,6 +161,7 @@ class LTX2ForTraining(LTX2VideoTransformer3DModel, BaseModel):  # type: ignore[m
         count_tokens=count_tokens,
         context_parallel=context_parallel,
         loss_parts=("video_loss", "audio_loss"),  # logged beside the joint loss
+        activations=count_activations,  # mm check's memory estimate
     )
 
     mm_training: LTX2Training = LTX2Training(FlowMatching())

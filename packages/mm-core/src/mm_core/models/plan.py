@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from mm_core.errors import ConfigError
 from mm_parallel.moe import ExpertParallelExperts
 from mm_parallel.patterns import ModulePattern, PatternError
+
+if TYPE_CHECKING:
+    from mm_core.parallel.layer_bytes import ActivationCount, ActivationQuery
 
 _PATTERN_FIELDS = ("fsdp_units", "recompute_units", "expert_modules", "muon_exclude_modules")
 
@@ -87,6 +90,12 @@ class ModelPlan:
     #: the sequence themselves, reading the layout mm passes to every layer). Ring attention stays refused
     #: for such a model
     ulysses_layers: Callable[[nn.Module, int], None] | None = None
+    #: ``count(model, query)`` for ``mm check``'s memory estimate: what one micro-batch keeps for backward on
+    #: one rank (an :class:`~mm_core.parallel.layer_bytes.ActivationCount` for an
+    #: :class:`~mm_core.parallel.layer_bytes.ActivationQuery`), each recompute-able layer named by its module
+    #: path so that the recompute and offload plans apply to it. None: counted as a decoder language model
+    #: from the text configuration's sizes (models that are not: a diffusion transformer, two decoder stacks)
+    activations: Callable[[nn.Module, ActivationQuery], ActivationCount | None] | None = None
 
     def __post_init__(self) -> None:
         for name in _PATTERN_FIELDS:
@@ -124,7 +133,13 @@ class ModelPlan:
         object.__setattr__(self, "ulysses_layer_types", tuple(self.ulysses_layer_types))
         if bool(self.ulysses_layer_types) != (self.ulysses_layers is not None):
             raise ValueError("ModelPlan.ulysses_layer_types and ModelPlan.ulysses_layers go together")
-        for hook_name in ("init_weights", "count_tokens", "context_parallel", "ulysses_layers"):
+        for hook_name in (
+            "init_weights",
+            "count_tokens",
+            "context_parallel",
+            "ulysses_layers",
+            "activations",
+        ):
             hook = getattr(self, hook_name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"ModelPlan.{hook_name}: {hook!r} is not callable")

@@ -7,16 +7,17 @@ Everything is derived from what is stored, not fitted:
 - gathered units: the root unit stays unsharded for the whole step (FSDP2 does not reshard the root after
   forward); the largest other unit is unsharded while it runs, plus ``num_to_forward_prefetch`` more ahead of
   it, and in backward its unsharded gradient waits for the reduce-scatter;
-- activations, for Hugging Face decoder models (``hidden_size``, ``intermediate_size``, heads): per layer and
-  token autograd keeps 6 hidden-sized tensors (the two RMSNorms' input and normalised output, the attention
-  and MLP inputs), 4 (2 without q/k norms) query-sized and key/value-sized tensors (q/k norm input and output,
-  the rotated q, k and v that attention saves, its output), 4 intermediate-sized ones (gate, up, SiLU(gate),
-  their product); outside the layers the final norm and ``lm_head`` input (3 hidden-sized) and the fp32
-  log-probabilities of the loss (vocabulary-sized) -- or, with the chunked loss, the gradient of the head's
-  weight computed in the forward (one chunk of logits exists at a time). Counted this way the total matches
-  what autograd's saved-tensor hooks report for Qwen3 exactly (see docs/memory.md); a hybrid decoder of
-  gated delta-rule and gated attention layers (Qwen3.5) is counted layer by layer, each tensor with its dtype
-  (:mod:`mm_core.parallel.layer_bytes`);
+- activations: what one micro-batch keeps for backward, layer by layer, each saved tensor with its dtype
+  (:mod:`mm_core.parallel.layer_bytes`). A model plan may supply the count (``ModelPlan.activations``: a
+  video diffusion transformer, a talker with a code predictor); otherwise a Hugging Face decoder is counted
+  from its text configuration: per layer and token two RMSNorms (fp32 input, normalised and weighted output),
+  q/k norms when present, the rotated q, k and v, output and log-sum-exp that attention saves, and a dense
+  gated MLP (4 intermediate-sized tensors) or, for a layer whose MLP holds ``experts``, the routed experts'
+  copies, router and shared expert; outside the layers the final norm and the head's input and the fp32
+  log-probabilities of the loss (as wide as the plan's output head) -- or, with the chunked loss, the gradient
+  of the head's weight computed in the forward (one chunk of logits exists at a time). Counted this way the
+  total is within 1% of what autograd's saved-tensor hooks report (Qwen3 in fp32, Qwen3-MoE and Qwen3.5 in
+  bf16; docs/memory.md);
 - with full recompute a checkpointed layer keeps only its input, and one layer's activations exist again
   while it is recomputed in backward; selective recompute also keeps the attention output (and its
   log-sum-exp) of each layer;
@@ -33,13 +34,25 @@ blocks are subtracted from device memory).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from mm_core.models.facts import ModelFacts
-from mm_core.parallel.layer_bytes import LayerBytes, hybrid_layer_bytes, standard_layer_bytes
+from mm_core.parallel.layer_bytes import (
+    ActivationCount,
+    ActivationQuery,
+    DecoderSizes,
+    LayerBytes,
+    decoder_layer_bytes,
+    hybrid_layer_bytes,
+    loss_head_bytes,
+    moe_mlp_bytes,
+    rms_norm_bytes,
+)
 from mm_core.parallel.plan import BuildPlan
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
@@ -80,69 +93,123 @@ def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
     return (preferred or lists or [None])[0]
 
 
-def _layer_bytes(model: nn.Module, facts: ModelFacts, tokens: int, itemsize: int) -> list[LayerBytes] | None:
+def _int(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _experts_bytes(layer: nn.Module | None, facts: ModelFacts, itemsize: int) -> int | None:
+    """Per token, the mixture of experts of a decoder layer (routed experts of ``moe_intermediate_size``, a
+    shared expert when the layer has one), or None when its MLP has no ``experts`` (a dense layer)."""
+    mlp = getattr(layer, "mlp", None)
+    width = _int(facts.text_config, "moe_intermediate_size")
+    if not isinstance(mlp, nn.Module) or not hasattr(mlp, "experts") or not (facts.num_experts and width):
+        return None
+    shared: Any = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+    shared_width = getattr(getattr(shared, "gate_proj", None), "out_features", 0)
+    gated = hasattr(mlp, "shared_expert_gate")
+    k, h = facts.experts_per_token, facts.hidden_size
+    return moe_mlp_bytes(h, width, facts.num_experts, k, int(shared_width), gated, itemsize)
+
+
+def _layer_bytes(
+    model: nn.Module, facts: ModelFacts, layers: str | None, tokens: int, itemsize: int
+) -> list[LayerBytes] | None:
     """Each decoder layer's bytes (:mod:`mm_core.parallel.layer_bytes`), or None when the decoder is not one
-    this estimate understands."""
+    this estimate understands. A layer whose MLP holds ``experts`` is counted with its routed experts, router
+    and shared expert, whatever dense ``intermediate_size`` the configuration also has."""
     known = (facts.hidden_size, facts.num_heads, facts.num_layers, facts.vocab_size)
     if not all(known):
         return None
     if "linear_attention" in (getattr(facts.text_config, "layer_types", None) or ()):
         return hybrid_layer_bytes(facts, tokens, itemsize)
-    if not facts.intermediate_size:
-        return None
     qk_norm = any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules())
-    return [standard_layer_bytes(facts, tokens, itemsize, qk_norm)] * facts.num_layers
+    modules: Any = model.get_submodule(layers) if layers else [None] * facts.num_layers
+    sizes = DecoderSizes.of(facts)
+    out = []
+    for layer in modules:
+        experts = _experts_bytes(layer, facts, itemsize)
+        if experts is None and not facts.intermediate_size:
+            return None
+        out.append(decoder_layer_bytes(sizes, tokens, itemsize, qk_norm, experts))
+    return out
+
+
+def _output_rows(model: nn.Module, plan: BuildPlan) -> int:
+    """The rows of the model plan's output head (what the loss's logits are as wide as), else the text
+    configuration's vocabulary."""
+    path = plan.model_plan.output_head
+    head = model.get_submodule(path) if path else None
+    weight = getattr(head, "weight", None)
+    rows = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+    return int(rows) or plan.facts.vocab_size
+
+
+def _decoder_count(model: nn.Module, plan: BuildPlan, query: ActivationQuery) -> ActivationCount | None:
+    """A decoder language model's count (module docstring), or None when it is not one."""
+    facts = plan.facts
+    tokens, s = query.local_tokens, query.itemsize
+    layers = _decoder_layers(model, facts.num_layers)
+    per_layer = _layer_bytes(model, facts, layers, tokens, s)
+    if per_layer is None:
+        return None
+    h = facts.hidden_size
+    kept, peak, start = loss_head_bytes(tokens, h, _output_rows(model, plan), s, query.chunk)
+    final_norm = tokens * (rms_norm_bytes(h, s) + h * s)  # and the head's input
+    names = {f"{layers or 'layers'}.{i}": layer for i, layer in enumerate(per_layer)}
+    return ActivationCount(names, final_norm + kept, peak, start)
+
+
+def activation_count(
+    model: nn.Module, plan: BuildPlan, tokens: int, device_type: str = "cpu"
+) -> ActivationCount | None:
+    """What one micro-batch of ``tokens`` (padded, the whole sequence) keeps for backward on one rank: the
+    model plan's own count (``ModelPlan.activations``), else a decoder language model's; None when neither
+    applies."""
+    from mm_core.parallel.apply import to_dtype
+
+    chunk = plan.chunked.chunk_size if plan.chunked.path is not None else None
+    itemsize = to_dtype(plan.mixed_precision.param_dtype).itemsize
+    query = ActivationQuery(tokens, plan.sizes.cp, itemsize, chunk, device_type)
+    count = plan.model_plan.activations
+    return count(model, query) if count is not None else _decoder_count(model, plan, query)
+
+
+def _matching(layers: Mapping[str, LayerBytes], names: Sequence[str]) -> set[str]:
+    """The layers of the count that the plan's module names choose (a count of an unnamed layer list, keyed
+    ``layers.<i>``, takes any ``...layers.<i>``)."""
+    found = set()
+    for name in names:
+        hit = _LAYER.search(name)
+        if name in layers:
+            found.add(name)
+        elif hit and f"layers.{hit.group(2)}" in layers:
+            found.add(f"layers.{hit.group(2)}")
+    return found
 
 
 def estimate_activations(
     model: nn.Module, plan: BuildPlan, tokens: int, device_type: str = "cpu"
 ) -> tuple[float, float]:
     """(saved activations, backward-start transient) in bytes for one micro-batch of ``tokens`` (padded),
-    or (0, 0) when the model is not a decoder this estimate understands. For a model with towers (vision,
-    audio) this is its language model's: the towers' activations depend on the images and clips of the
-    batch (not included). Under context parallelism a rank holds 1/cp of the sequence (with Ulysses, inside
-    attention, the whole sequence of 1/cp of the heads: the same bytes), so ``tokens`` is divided by cp."""
-    facts = plan.facts
-    tokens = -(-tokens // plan.sizes.cp)
-    if not tokens:
+    or (0, 0) when there is no count for the model (:func:`activation_count`). For a decoder model with towers
+    (vision, audio) this is its language model's: the towers' activations depend on the images and clips of
+    the batch (not included). Under context parallelism a rank holds 1/cp of the sequence (with Ulysses,
+    inside attention, the whole sequence of 1/cp of the heads: the same bytes)."""
+    count = activation_count(model, plan, tokens, device_type) if tokens else None
+    if count is None or not count.layers:
         return 0.0, 0.0
-    from mm_core.parallel.apply import to_dtype
-
-    itemsize = to_dtype(plan.mixed_precision.param_dtype).itemsize
-    per_layer = _layer_bytes(model, facts, tokens, itemsize)
-    if per_layer is None:
-        return 0.0, 0.0
-    layer_input = tokens * facts.hidden_size * itemsize
-    layers = _decoder_layers(model, facts.num_layers)
-
-    def in_decoder(names: Sequence[str]) -> set[int]:
-        found = (_LAYER.search(n) for n in names if layers is None or n.startswith(layers + "."))
-        return {int(m.group(2)) for m in found if m}
-
-    recomputed = in_decoder(plan.memory.recompute)
-    offloaded = in_decoder(plan.memory.offload) if device_type != "cpu" else set()
+    recomputed = _matching(count.layers, plan.memory.recompute)
+    offloaded = _matching(count.layers, plan.memory.offload) if device_type != "cpu" else set()
     selective = plan.memory.recompute_mode == "selective"
-    acts = 0.0
-    for index, layer in enumerate(per_layer):
-        if index in recomputed:
-            acts += layer_input + (layer.selective if selective else 0)
-        elif index not in offloaded:
+    acts = count.outside
+    for name, layer in count.layers.items():
+        if name in recomputed:
+            acts += layer.inputs + (layer.selective if selective else 0)
+        elif name not in offloaded:
             acts += layer.saved
-    acts += 3 * tokens * facts.hidden_size * itemsize
-    layer_grads = max(layer.saved for layer in per_layer) * (2 if recomputed else 1)
-    vocab = facts.vocab_size
-    if plan.chunked.path is None:
-        acts += tokens * vocab * 4
-        return float(acts), float(2 * tokens * vocab * 4 + layer_grads)
-    # chunked: the head's weight gradient is kept from the forward instead of the log-probabilities; while
-    # the forward runs, one chunk of fp32 logits (and, for low-precision weights, its cast and the fp32 sum
-    # of the weight gradient with one chunk's product)
-    acts += vocab * facts.hidden_size * itemsize
-    chunk = min(plan.chunked.chunk_size, tokens)
-    head_pass = chunk * vocab * 4
-    if itemsize < 4:
-        head_pass += chunk * vocab * itemsize + vocab * facts.hidden_size * (4 + itemsize)
-    return float(acts), float(max(head_pass, layer_grads))
+    layer_grads = max(layer.saved for layer in count.layers.values()) * (2 if recomputed else 1)
+    return float(acts), float(max(count.forward_peak, count.backward_start + layer_grads))
 
 
 @dataclass

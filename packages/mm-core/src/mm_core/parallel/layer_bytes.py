@@ -1,19 +1,33 @@
-"""What one decoder layer keeps for backward, per micro-batch: the counts behind ``mm check``'s activation
-estimate (:mod:`mm_core.parallel.estimate`).
+"""What a model keeps for backward, per micro-batch: the counts behind ``mm check``'s activation estimate
+(:mod:`mm_core.parallel.estimate`).
 
-Two kinds of decoder are counted, from the sizes in the text configuration:
+The contract: :class:`ActivationCount` names each recompute-able layer by its module path with the bytes it
+saves (:class:`LayerBytes`), and what is kept outside those layers, for one micro-batch on one rank
+(:class:`ActivationQuery`); the estimate applies the recompute and offload plans to it. Decoder language
+models are counted here from the sizes in their text configuration; a model of another shape supplies its own
+count (``ModelPlan.activations``), built from the parts below.
 
-- a decoder of full-attention layers (the Qwen3 / Llama kind): per token 6 hidden-sized tensors, 4 (2 without
-  q/k norms) query- and key/value-sized ones and 4 intermediate-sized ones, all in the compute dtype;
+Each saved tensor is counted with its dtype: ``s`` bytes for the compute dtype
+(``parallel.fsdp_plan.param_dtype``), 4 for fp32, 8 for int64 indices. Counted:
+
+- transformers' RMSNorm (Qwen2, Qwen3): the fp32 input (a copy when the compute dtype is narrower), its
+  reciprocal root mean square per row and the normalised output in the compute dtype
+  (:func:`rms_norm_bytes`; the weighted output is its consumer's input);
+- a decoder of full-attention layers with a dense or mixture-of-experts MLP (the Qwen2 / Qwen3 kind;
+  :func:`decoder_layer_bytes`): per token two RMSNorms and their outputs, q/k norms when present, the rotated
+  queries and keys, values, attention output and log-sum-exp that attention saves, and the MLP (4
+  intermediate-sized tensors, or the routed experts' copies, router and shared expert: :func:`moe_mlp_bytes`);
 - a hybrid decoder of gated delta-rule linear-attention and gated full-attention layers, told by its
   ``layer_types`` and ``linear_*`` sizes (Qwen3.5, Qwen3.5-MoE, Qwen3.6; Qwen3-Next's layers have the same
-  parts). Each saved tensor of transformers' implementation is counted with its dtype (RMSNorms and the delta
-  rule compute in fp32): see :func:`hybrid_layer_bytes` and docs/memory.md.
+  parts): see :func:`hybrid_layer_bytes` and docs/memory.md;
+- the output head and loss (:func:`loss_head_bytes`): fp32 log-probabilities, or with the chunked loss the
+  head's weight gradient computed in the forward.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +43,135 @@ FP32, INDEX = 4, 8
 
 @dataclass(frozen=True)
 class LayerBytes:
-    """One decoder layer, one micro-batch: the bytes it saves for backward, and what selective recompute
-    keeps of them (the attention output and its log-sum-exp; 0 for a linear-attention layer)."""
+    """One layer, one micro-batch: the bytes it saves for backward, what selective recompute keeps of them
+    (the attention outputs and their log-sum-exp; 0 for a linear-attention layer) and what full recompute
+    keeps (the layer's inputs)."""
 
     saved: float
     selective: float
+    inputs: float
+
+
+@dataclass(frozen=True)
+class ActivationQuery:
+    """What an activation count is asked for: one micro-batch on one rank."""
+
+    #: the padded tokens of one micro-batch, the whole sequence (before any context-parallel split)
+    tokens: int
+    #: the context-parallel size (``ulysses`` x ``ring``): a model counts its own rank's share
+    cp: int
+    #: bytes of the compute dtype (``parallel.fsdp_plan.param_dtype``)
+    itemsize: int
+    #: the chunk of the chunked loss head (``model.loss_cfg.loss_chunk_size``); None: the loss takes the full
+    #: logits (or the model computes its own loss)
+    chunk: int | None
+    #: the device the estimate is for (``cuda``, ``npu``, ``cpu``): some kernels save less on accelerators
+    device_type: str = "cpu"
+
+    @property
+    def local_tokens(self) -> int:
+        """This rank's tokens when the sequence is split evenly over ``cp`` ranks (rounded up)."""
+        return -(-self.tokens // self.cp)
+
+
+@dataclass(frozen=True)
+class ActivationCount:
+    """What one micro-batch keeps for backward on one rank (bytes)."""
+
+    #: each recompute-able layer, by its module path, and what it saves
+    layers: Mapping[str, LayerBytes]
+    #: what is kept outside those layers: embeddings, rotary tables, the final norm, heads, the loss
+    outside: float
+    #: on top of what is kept while the forward runs (one chunk of logits of the chunked loss)
+    forward_peak: float = 0.0
+    #: on top of what is kept and of one layer's gradients at the start of backward (the logits' gradients)
+    backward_start: float = 0.0
+
+
+def rms_norm_bytes(width: int, s: int, scales: int = 1) -> int:
+    """Per row of ``width``: a transformers RMSNorm (computed in fp32, cast back, then weighted) saves its
+    fp32 input (a copy of a narrower input), ``scales`` reciprocal roots (one per normalised group: per head
+    for q/k norms) and the normalised output in the compute dtype. The weighted output is counted where it
+    is used (a projection's input)."""
+    return width * (FP32 + s) + scales * FP32
+
+
+def torch_rms_norm_bytes(width: int, s: int, device_type: str) -> int:
+    """Per row of ``width``: ``torch.nn.RMSNorm`` with a weight. On CUDA, torch's fused kernel saves the input
+    and the reciprocal root; elsewhere the composite saves the fp32 input, the reciprocal root and the fp32
+    normalised output (before the weight)."""
+    if device_type == "cuda":
+        return width * s + FP32
+    return 2 * width * FP32 + FP32
+
+
+def rotary_bytes(tokens: int, width: int, s: int) -> int:
+    """The cosine and sine tables of rotary embeddings, ``width`` per token, shared by every layer."""
+    return 2 * tokens * width * s
+
+
+@dataclass(frozen=True)
+class DecoderSizes:
+    """The sizes of one stack of Qwen2 / Qwen3-style decoder layers."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, facts: ModelFacts) -> DecoderSizes:
+        f = facts
+        return cls(f.hidden_size, f.intermediate_size, f.num_heads, f.num_kv_heads, f.head_dim)
+
+
+def moe_mlp_bytes(h: int, width: int, experts: int, k: int, shared: int, shared_gate: bool, s: int) -> int:
+    """Per token, a mixture of ``experts`` of ``width`` (``k`` per token; grouped GEMMs) beside the block's
+    input: each routed copy (input, output, gate-up, SiLU, product), the router's fp32 probabilities, top-k
+    weights and sort order, and a shared expert of width ``shared`` (0: none) with its sigmoid gate."""
+    routed = k * (2 * h + 4 * width) * s
+    router = experts * FP32 + k * (FP32 + 4 * INDEX + s) + FP32
+    shared_expert = (2 * h + 4 * shared + int(shared_gate)) * s if shared else 0
+    return routed + router + shared_expert
+
+
+def decoder_layer_bytes(
+    sizes: DecoderSizes, tokens: int, s: int, qk_norm: bool, mlp: int | None = None
+) -> LayerBytes:
+    """A Qwen2 / Qwen3-style decoder layer over ``tokens``: two RMSNorms and their weighted outputs (the
+    attention's and the MLP's input), q/k RMSNorms per head (Qwen3), the rotated queries and keys, the values,
+    attention output and log-sum-exp that attention saves, and the MLP: ``mlp`` bytes per token beside its
+    input, else a dense gated MLP (gate, up, SiLU, product: 4 intermediate-sized)."""
+    h, heads = sizes.hidden, sizes.heads
+    q, kv = heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+    norms = 2 * (rms_norm_bytes(h, s) + h * s)
+    qk = rms_norm_bytes(q, s, heads) + rms_norm_bytes(kv, s, sizes.kv_heads) if qk_norm else 0
+    attention = 2 * (q + kv) * s + heads * FP32
+    feed_forward = 4 * sizes.intermediate * s if mlp is None else mlp
+    per_token = norms + qk + attention + feed_forward
+    return LayerBytes(tokens * per_token, tokens * (q * s + heads * FP32), tokens * h * s)
 
 
 def standard_layer_bytes(facts: ModelFacts, tokens: int, itemsize: int, qk_norm: bool) -> LayerBytes:
-    """A full-attention decoder layer with a dense MLP (module docstring), all in the compute dtype."""
-    h, i = facts.hidden_size, facts.intermediate_size
-    heads = facts.num_heads
-    q, kv = heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
-    per_token = 6 * h + (4 if qk_norm else 2) * (q + kv) + 4 * i
-    return LayerBytes(tokens * per_token * itemsize, tokens * (q * itemsize + heads * FP32))
+    """A full-attention decoder layer with a dense MLP of the text configuration's sizes."""
+    return decoder_layer_bytes(DecoderSizes.of(facts), tokens, itemsize, qk_norm)
+
+
+def loss_head_bytes(tokens: int, hidden: int, vocab: int, s: int, chunk: int | None) -> tuple[int, int, int]:
+    """The output head of ``vocab`` rows and mm's loss over ``tokens``: (kept, forward peak, backward start).
+
+    Full logits: the fp32 log-probabilities are kept, and at the start of backward their gradient and the
+    logits' (two more vocabulary-sized fp32 tensors) exist. Chunked loss: the gradient of the head's weight,
+    computed in the forward, is kept instead; while the forward runs, one chunk of fp32 logits (and, for
+    low-precision weights, its cast and the fp32 sum of the weight gradient with one chunk's product)."""
+    if chunk is None:
+        return tokens * vocab * FP32, 0, 2 * tokens * vocab * FP32
+    part = min(chunk, tokens)
+    peak = part * vocab * FP32
+    if s < FP32:
+        peak += part * vocab * s + vocab * hidden * (FP32 + s)
+    return vocab * hidden * s, peak, 0
 
 
 def _int(config: Any, name: str) -> int:
@@ -98,11 +227,9 @@ def _mlp(config: Any, facts: ModelFacts, layer: int, tokens: int, s: int) -> flo
     moe_width = _int(config, "moe_intermediate_size")
     dense_layers = getattr(config, "mlp_only_layers", None) or ()
     if facts.num_experts and moe_width and layer not in dense_layers:
-        k, shared = facts.experts_per_token, _int(config, "shared_expert_intermediate_size")
-        routed = k * (2 * h + 4 * moe_width) * s  # each routed copy: input, output, gate-up, SiLU, product
-        router = facts.num_experts * FP32 + k * (FP32 + 4 * INDEX + s) + FP32  # probabilities, top-k, order
-        shared_expert = (2 * h + 4 * shared + 1) * s if shared else 0
-        return tokens * (routed + router + shared_expert)
+        shared = _int(config, "shared_expert_intermediate_size")
+        k, experts = facts.experts_per_token, facts.num_experts
+        return tokens * moe_mlp_bytes(h, moe_width, experts, k, shared, True, s)
     if not facts.intermediate_size:
         return None
     return tokens * (h + 4 * facts.intermediate_size) * s
@@ -135,5 +262,5 @@ def hybrid_layer_bytes(facts: ModelFacts, tokens: int, itemsize: int) -> list[La
             return None
         kept = tokens * (q_width * itemsize + facts.num_heads * FP32)
         selective = 0 if kind == "linear_attention" else kept
-        out.append(LayerBytes(norms + mixer + mlp, selective))
+        out.append(LayerBytes(norms + mixer + mlp, selective, tokens * h * itemsize))
     return out
