@@ -153,11 +153,6 @@ def decoder_layer_bytes(
     return LayerBytes(tokens * per_token, tokens * (q * s + heads * FP32), tokens * h * s)
 
 
-def standard_layer_bytes(facts: ModelFacts, tokens: int, itemsize: int, qk_norm: bool) -> LayerBytes:
-    """A full-attention decoder layer with a dense MLP of the text configuration's sizes."""
-    return decoder_layer_bytes(DecoderSizes.of(facts), tokens, itemsize, qk_norm)
-
-
 def loss_head_bytes(tokens: int, hidden: int, vocab: int, s: int, chunk: int | None) -> tuple[int, int, int]:
     """The output head of ``vocab`` rows and mm's loss over ``tokens``: (kept, forward peak, backward start).
 
