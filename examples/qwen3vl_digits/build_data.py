@@ -146,6 +146,29 @@ def qwen3_vl_moe(vocab: int, ids: dict[str, int]) -> Any:
     )
 
 
+#: Qwen3.5's linear-attention (Gated DeltaNet) layers: 2 key heads and 4 value heads of 16
+QWEN3_5_LINEAR = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+
+
+def qwen3_5(vocab: int, ids: dict[str, int]) -> Any:
+    """Qwen3.5 (dense): a linear-attention (Gated DeltaNet) layer, then a full-attention one, each with a
+    dense MLP of the Qwen3-VL width."""
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config={"vocab_size": vocab, **QWEN_TEXT, **QWEN3_5_LINEAR},
+        vision_config=QWEN_VISION,
+        tie_word_embeddings=True,
+        **_token_ids(ids),
+    )
+
+
 def qwen3_5_moe(vocab: int, ids: dict[str, int]) -> Any:
     """Qwen3.5-MoE: a linear-attention (Gated DeltaNet) layer, then a full-attention one; routed experts and a
     gated shared expert in each."""
@@ -157,11 +180,7 @@ def qwen3_5_moe(vocab: int, ids: dict[str, int]) -> Any:
             "vocab_size": vocab,
             **text,
             **MOE,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
+            **QWEN3_5_LINEAR,
             "shared_expert_intermediate_size": 64,
         },
         vision_config=QWEN_VISION,
@@ -292,6 +311,7 @@ QWEN_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_e
 FAMILIES: dict[str, tuple[dict[str, Any] | None, tuple[str, ...], Callable[[int, dict[str, int]], Any]]] = {
     "qwen3_vl": (None, QWEN_TOKENS, qwen3_vl),
     "qwen3_vl_moe": (None, QWEN_TOKENS, qwen3_vl_moe),
+    "qwen3_5": (None, QWEN_TOKENS, qwen3_5),
     "qwen3_5_moe": (None, QWEN_TOKENS, qwen3_5_moe),
     "kimi_k25": (
         {
