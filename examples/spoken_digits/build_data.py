@@ -17,10 +17,17 @@ Writes, under ``--out`` (default: ``examples/spoken_digits/build``):
   multi-digit merges) and Qwen3-ASR's answer prefix ``language English<asr_text>``;
 - ``model/config.json``: a tiny Qwen3-ASR (:func:`model_config`), random initialisation.
 
+``--family fun_asr_nano`` writes Fun-ASR-Nano's ``processor/`` (ChatML with its audio token and the
+``FunAsrNanoFeatureExtractor`` settings, :func:`mm_data_audio.processor_funasr.build_fun_asr_nano_processor`)
+and a tiny Fun-ASR-Nano (:func:`fun_asr_nano_config`) instead; the clips are the same for every family, so
+``--assets-only`` writes only ``processor/`` and ``model/`` (``examples/fun_asr_nano_digits`` trains on
+``build/data``).
+
 ``--omni`` writes the omni variant instead (:mod:`omni`: Qwen3-Omni's thinker answers questions about a
 spoken and a written digit). ``--sample`` writes the small committed set the tests use instead
 (``examples/spoken_digits/sample/``: a dozen short clips of a few voices and ``manifest.jsonl``).
-:func:`build_assets` writes only ``processor/`` and ``model/`` (no espeak-ng needed), for the tests.
+:func:`build_assets` writes only ``processor/`` and ``model/`` (no espeak-ng needed), for the tests and
+``--assets-only``.
 
 Needs the ``espeak-ng`` program (Debian/Ubuntu package ``espeak-ng``), ``soundfile`` and ``scipy``.
 """
@@ -230,26 +237,76 @@ def model_config(tokenizer: Any) -> Any:
     )
 
 
-def build_assets(out: Path) -> Path:
-    """``out/processor`` (tokenizer + Qwen3-ASR feature extractor) and ``out/model/config.json``; needs no
+#: the tiny Fun-ASR-Nano (:func:`fun_asr_nano_config`): a SAN-M audio encoder of 3 layers (the last one
+#: Fun-ASR-Nano's "timestamp" layer) over the 560-value low-frame-rate rows (80 mel bins × 7 frames every
+#: 60 ms: about 17 audio tokens a second, no further subsampling), an adaptor layer at the text width and the
+#: Qwen3 decoder of :data:`TEXT` (width 96, 4 layers). Weights start at :data:`INIT_STD`, as Qwen3-ASR's do.
+FUN_ASR_NANO_AUDIO = {
+    "model_type": "fun_asr_nano_encoder",
+    "hidden_size": 96,
+    "num_attention_heads": 4,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_timestamp_prediction_layers": 1,
+    "fsmn_kernel_size": 11,  # the published model's FSMN memory: 11 rows (660 ms)
+    "max_position_embeddings": 513,  # rows of the longest clip + 1 (30 s; the clips here are 1-2.5 s)
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+FUN_ASR_NANO_ADAPTOR = {
+    "hidden_size": TEXT["hidden_size"],
+    "intermediate_size": TEXT["hidden_size"] // 4,  # Fun-ASR-Nano's rule: a quarter of the text width
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "projector_hidden_size": 192,
+}
+#: ``--family``: the model whose processor and tiny config ``processor/`` and ``model/`` hold
+FAMILIES = ("qwen3_asr", "fun_asr_nano")
+
+
+def fun_asr_nano_config(tokenizer: Any) -> Any:
+    """A tiny ``FunAsrNanoConfig`` for ``tokenizer`` (its vocabulary and audio token id)."""
+    from transformers import FunAsrNanoConfig
+
+    from mm_data_audio.formats.fun_asr import AUDIO_TOKEN
+
+    text = {k: v for k, v in TEXT.items() if k != "rope_parameters"}
+    return FunAsrNanoConfig(
+        audio_config=FUN_ASR_NANO_AUDIO,
+        adaptor_config=FUN_ASR_NANO_ADAPTOR,
+        text_config={"model_type": "qwen3", "vocab_size": len(tokenizer), **text},
+        audio_token_id=int(tokenizer.convert_tokens_to_ids(AUDIO_TOKEN)),
+        tie_word_embeddings=True,
+        initializer_range=INIT_STD,
+    )
+
+
+def build_assets(out: Path, family: str = "qwen3_asr") -> Path:
+    """``out/processor`` (tokenizer + ``family``'s feature extractor) and ``out/model/config.json``; needs no
     audio."""
     from transformers import AutoTokenizer
 
     from mm_data_audio.processor_build import build_qwen3_asr_processor
+    from mm_data_audio.processor_funasr import build_fun_asr_nano_processor
 
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
     # the transcripts' alphabet, one digit at a time (so no multi-digit merges), and the chat's fixed words
     texts = [*"0123456789", f"language {LANGUAGE}", "user", "assistant", "\n"] * 20
-    proc = build_qwen3_asr_processor(
-        texts, out / "processor", vocab_size=300, feature_size=AUDIO["num_mel_bins"]
-    )
-    tokenizer = AutoTokenizer.from_pretrained(proc)
-    config = model_config(tokenizer)
+    if family == "fun_asr_nano":
+        proc = build_fun_asr_nano_processor(texts, out / "processor", vocab_size=300)
+        config = fun_asr_nano_config(AutoTokenizer.from_pretrained(proc))
+    else:
+        proc = build_qwen3_asr_processor(
+            texts, out / "processor", vocab_size=300, feature_size=AUDIO["num_mel_bins"]
+        )
+        config = model_config(AutoTokenizer.from_pretrained(proc))
     (out / "model").mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out / "model")
     return out
 
 
-def build(out: Path, num_train: int, num_test: int, seed: int) -> Path:
+def build(out: Path, num_train: int, num_test: int, seed: int, family: str = "qwen3_asr") -> Path:
     """The data (rendered with espeak-ng), processor and model config under ``out``."""
     program = espeak_program()
     rng = random.Random(seed)
@@ -258,7 +315,7 @@ def build(out: Path, num_train: int, num_test: int, seed: int) -> Path:
     data = out / "data"
     for split, clips in (("train", train), ("test", test)):
         write_jsonl(data / f"{split}.jsonl", write_clips(clips, data, f"audio/{split}", program))
-    return build_assets(out)
+    return build_assets(out, family)
 
 
 def build_sample(out: Path) -> Path:
@@ -279,6 +336,19 @@ def main() -> None:
         "--sample", action="store_true", help="write the small committed set for the tests instead"
     )
     parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="qwen3_asr",
+        help="the model whose processor and tiny config processor/ and model/ hold (default: qwen3_asr; "
+        "fun_asr_nano: the recipe under examples/fun_asr_nano_digits/)",
+    )
+    parser.add_argument(
+        "--assets-only",
+        action="store_true",
+        help="write only processor/ and model/ (no clips, no espeak-ng): the clips are the same for every "
+        "family",
+    )
+    parser.add_argument(
         "--omni",
         action="store_true",
         help="write the omni variant instead (omni.py: a spoken and a written digit per sample, Qwen3-Omni's "
@@ -295,9 +365,13 @@ def main() -> None:
         out = build_sample(args.out or HERE / "sample")
         print(f"wrote {out}/manifest.jsonl and {len(SAMPLE)} clips under {out}/audio")
         return
+    if args.assets_only:
+        out = build_assets(args.out or HERE / "build", args.family)
+        print(f"wrote {out}/processor and {out}/model/config.json ({args.family})")
+        return
     if args.num_train < 1 or args.num_test < 1:
         parser.error("--num-train and --num-test must be at least 1")
-    out = build(args.out or HERE / "build", args.num_train, args.num_test, args.seed)
+    out = build(args.out or HERE / "build", args.num_train, args.num_test, args.seed, args.family)
     print(
         f"wrote {out}/data (train.jsonl: {args.num_train} clips, test.jsonl: {args.num_test} clips, audio/), "
         f"{out}/processor, {out}/model/config.json"

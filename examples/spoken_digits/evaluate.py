@@ -1,6 +1,10 @@
 """Character error rate of a spoken-digits Qwen3-ASR model on the held-out voices (``build/data/test.jsonl``),
 or, with ``--omni``, answer accuracy of the omni variant's thinker (``build_omni/data/test.jsonl``).
 
+The model class is mm's for ``<build>/model/config.json``'s ``model_type``, so ``--build`` may be another
+ASR family's assets: ``examples/fun_asr_nano_digits/build`` (``build_data.py --family fun_asr_nano``, whose
+answer is the bare transcript), with ``--manifest`` naming the clips.
+
 ASR: for each clip the model sees the user turn (the audio) and ``<|im_start|>assistant\\n`` and greedily
 generates until ``<|im_end|>`` (at most :data:`MAX_NEW_TOKENS` tokens, with a KV cache); the hypothesis is the
 text after the last ``<asr_text>`` (Qwen3-ASR answers ``language English<asr_text>371``), or all the generated

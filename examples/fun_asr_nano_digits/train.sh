@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# torchrun launcher; run on every node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# NPROC_PER_NODE (or NPUS_PER_NODE).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Accelerator environment, only where it exists (Ascend CANN toolkit).
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+fi
+# The clips (espeak-ng) are spoken_digits' own; this recipe adds Fun-ASR-Nano's processor and model config.
+[[ -d examples/spoken_digits/build/data ]] || python examples/spoken_digits/build_data.py
+[[ -d examples/fun_asr_nano_digits/build ]] ||
+  python examples/spoken_digits/build_data.py --family fun_asr_nano --assets-only \
+    --out examples/fun_asr_nano_digits/build
+# Processes per node: NPROC_PER_NODE, or NPUS_PER_NODE as the MindSpeed-MM scripts name it (both set: equal)
+if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" != "$NPROC_PER_NODE" ]]; then
+  echo "train.sh: NPUS_PER_NODE=$NPUS_PER_NODE and NPROC_PER_NODE=$NPROC_PER_NODE disagree; set one" >&2
+  exit 2
+fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
+torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29521}" \
+  -m mm_core.train examples/fun_asr_nano_digits/config.yaml "$@"
