@@ -1,9 +1,11 @@
-"""Sample clips for captions with a trained (or untrained) tiny Wan2.2 and judge them.
+"""Sample clips for captions with a trained (or untrained) tiny Wan2.2 or LTX-2 and judge them.
 
 Sampling integrates the learned flow from noise to data with Euler steps: σ goes from 1 to 0 over
 ``--steps`` steps (``σ_i = 1 − i/N``, then Wan's shift ``s·σ / (1 + (s − 1)·σ)``; ``--shift 1``: none); at
 each step the transformer's velocity ``v ≈ noise − latents`` (``Wan22ForTraining.velocity`` at timestep
-``1000·σ``) moves the latents ``x ← x + (σ_{i+1} − σ_i)·v``. With ``--guidance s`` (classifier-free
+``1000·σ``, or ``LTX2ForTraining.velocity`` at ``timestep_scale_multiplier·σ``: video only, the caption's
+padding masked as the ``video_latents`` dataset masks it) moves the latents ``x ← x + (σ_{i+1} − σ_i)·v``. The
+family is the ``_class_name`` of the transformer's ``config.json``. With ``--guidance s`` (classifier-free
 guidance, for a model trained with ``flow_matching.text_dropout``) the velocity is
 ``v(∅) + s·(v(text) − v(∅))``, ``∅`` being all-zero text embeddings as training drops them; ``--guidance 1``
 uses ``v(text)`` alone. The start noise of every clip comes from
@@ -13,13 +15,15 @@ per clip, whether the digit moved in the caption's direction.
 
     python examples/moving_digits_t2v/sample.py --untrained            # random init (model/config.json)
     python examples/moving_digits_t2v/sample.py --model outputs/moving_digits_t2v/hf
+    python examples/moving_digits_t2v/sample.py --untrained --model-config examples/ltx2_moving_digits/model
+    python examples/moving_digits_t2v/sample.py --model outputs/ltx2_moving_digits/hf     # LTX-2's export
 
 Captions: the held-out ones by default (every digit in the direction it never moved in during training), or
 ``--captions "a 3 moving left" ...``. Writes under ``--out`` (default ``outputs/moving_digits_t2v/samples_
-<trained|untrained>``): ``strip.png`` (a row per clip, frames side by side), ``samples.gif`` (the first
-clip of every caption, animated) and ``results.json`` (the scores, overall and per caption), and prints the
-scores as one JSON line. ``--readme-strip PATH`` also writes a small strip (the first clip of every caption)
-to ``PATH``.
+<trained|untrained>``; ``outputs/ltx2_moving_digits/...`` for LTX-2): ``strip.png`` (a row per clip, frames
+side by side), ``samples.gif`` (the first clip of every caption, animated) and ``results.json`` (the scores,
+overall and per caption), and prints the scores as one JSON line. ``--readme-strip PATH`` also writes a
+small strip (the first clip of every caption) to ``PATH``.
 """
 
 from __future__ import annotations
@@ -36,33 +40,60 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TIMESTEP_SCALE = 1000.0
+#: the diffusers class a transformer folder's ``config.json`` names -> (mm's model id, the run's folder)
+FAMILIES = {
+    "WanTransformer3DModel": ("wan2_2", "moving_digits_t2v"),
+    "LTX2VideoTransformer3DModel": ("ltx2", "ltx2_moving_digits"),
+}
 
 
-def load_transformer(build: Path, model: Path | None, seed: int) -> Any:
-    """The exported transformer folder, or (``model`` None) a random one from ``build/model/config.json``
-    built as ``model.from_scratch`` builds it, seeded."""
-    from mm_core.config.schema import ModelConfig
-    from mm_models_video.wan import Wan22ForTraining
-
-    if model is None:
-        torch.manual_seed(seed)
-        args = ModelConfig(model_id="wan2_2", model_name_or_path=str(build / "model"), from_scratch=True)
-        built = Wan22ForTraining._from_config(args)
-    else:
-        built = Wan22ForTraining.from_pretrained(
-            ModelConfig(model_id="wan2_2", model_name_or_path=str(model))
+def family_of(folder: Path) -> str:
+    """The mm model id of the transformer folder ``folder`` (from its ``config.json``'s ``_class_name``)."""
+    name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_class_name")
+    if name not in FAMILIES:
+        raise SystemExit(
+            f"{folder / 'config.json'}: _class_name {name!r}; sample.py knows {', '.join(sorted(FAMILIES))}"
         )
-    return built.eval()
+    return FAMILIES[name][0]
 
 
-def text_batch(encode_text: Any, captions: list[str]) -> torch.Tensor:
+def load_transformer(folder: Path, trained: bool, seed: int) -> Any:
+    """The exported transformer folder (``trained``), or a random one from ``folder/config.json`` built as
+    ``model.from_scratch`` builds it, seeded; ``wan2_2`` or ``ltx2`` by the folder's class."""
+    from mm_core.config.schema import ModelConfig
+    from mm_core.models import ModelHub
+
+    args = ModelConfig(model_id=family_of(folder), model_name_or_path=str(folder), from_scratch=not trained)
+    cls: Any = ModelHub.model_class(args)
+    if trained:
+        return cls.from_pretrained(args).eval()
+    torch.manual_seed(seed)
+    return cls._from_config(args).eval()
+
+
+def text_batch(encode_text: Any, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, TEXT_LENGTH, D]``: each caption's embeddings, zero-padded as the ``video_latents`` dataset
-    pads them."""
+    pads them, and the mask ``[B, TEXT_LENGTH]`` it gives with them (1 for the caption's tokens)."""
     embeddings = encode_text(captions)
     out = torch.zeros(len(captions), md.TEXT_LENGTH, embeddings[0].shape[-1])
+    mask = torch.zeros(len(captions), md.TEXT_LENGTH, dtype=torch.long)
     for i, e in enumerate(embeddings):
         out[i, : e.shape[0]] = e
-    return out
+        mask[i, : e.shape[0]] = 1
+    return out, mask
+
+
+def predict(
+    transformer: Any, x: torch.Tensor, sigma: float, text: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The transformer's velocity for latents ``x`` at noise level ``sigma`` (Wan: zero-padded text, no
+    mask; LTX-2: the video stream alone, the padding masked)."""
+    scale = float(getattr(transformer.config, "timestep_scale_multiplier", TIMESTEP_SCALE))
+    timestep = torch.full((len(x),), sigma * scale)
+    if "timestep_scale_multiplier" in transformer.config:  # LTX-2
+        video, _ = transformer.velocity(x, None, timestep, text, None, mask)
+        return video
+    return transformer.velocity(x, timestep, text)
 
 
 def sigma_schedule(steps: int, shift: float) -> torch.Tensor:
@@ -75,33 +106,35 @@ def sigma_schedule(steps: int, shift: float) -> torch.Tensor:
 def euler_sample(
     transformer: Any,
     text: torch.Tensor,
+    mask: torch.Tensor,
     latent_shape: tuple[int, ...],
     steps: int,
     shift: float,
     seed: int,
     guidance: float = 1.0,
 ) -> torch.Tensor:
-    """Latents ``[B, *latent_shape]`` integrated from seeded noise (module docstring)."""
+    """Latents ``[B, *latent_shape]`` integrated from seeded noise (module docstring); the unconditional
+    velocity of guidance takes all-zero text with the same mask, as training drops the text."""
     noise = [
         torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed + i)) for i in range(len(text))
     ]
     x = torch.stack(noise)
     sigmas = sigma_schedule(steps, shift)
     for i in range(steps):
-        timestep = torch.full((len(text),), float(sigmas[i]) * TIMESTEP_SCALE)
-        velocity = transformer.velocity(x, timestep, text)
+        velocity = predict(transformer, x, float(sigmas[i]), text, mask)
         if guidance != 1.0:
-            unconditional = transformer.velocity(x, timestep, torch.zeros_like(text))
+            unconditional = predict(transformer, x, float(sigmas[i]), torch.zeros_like(text), mask)
             velocity = unconditional + guidance * (velocity - unconditional)
         x = x + (sigmas[i + 1] - sigmas[i]) * velocity
     return x
 
 
-def latent_shape(transformer: Any, vae: Any) -> tuple[int, int, int, int]:
-    """``[C, F, h, w]`` of a clip: the VAE's temporal and spatial compression of ``FRAMES × CANVAS²``."""
+def latent_shape(vae: Any) -> tuple[int, int, int, int]:
+    """``[C, F, h, w]`` of a clip: the VAE's channels and its temporal and spatial compression of
+    ``FRAMES × CANVAS²``."""
     temporal, spatial = int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
     side = md.CANVAS // spatial
-    return (int(transformer.config.in_channels), 1 + (md.FRAMES - 1) // temporal, side, side)
+    return (int(vae.config.z_dim), 1 + (md.FRAMES - 1) // temporal, side, side)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,6 +145,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", type=Path, help="a folder written by mm convert dcp-to-hf")
     which.add_argument("--untrained", action="store_true", help="random init from build/model/config.json")
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="with --untrained: the folder whose config.json is the transformer (default: <build>/model, "
+        "Wan; examples/ltx2_moving_digits/model for LTX-2)",
+    )
     parser.add_argument("--captions", nargs="+", help="default: the held-out captions")
     parser.add_argument("--per-caption", type=int, default=4, help="clips per caption")
     parser.add_argument("--steps", type=int, default=30, help="Euler steps")
@@ -129,17 +168,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     captions = args.captions or [md.caption(d, w) for d, w in md.HELD_OUT_PAIRS]
     for text in captions:
         md.parse_caption(text)
+    if args.model_config is not None and not args.untrained:
+        parser.error("--model-config goes with --untrained (an export's folder holds its own config.json)")
     name = "untrained" if args.untrained else "trained"
-    out = args.out or REPO / "outputs" / "moving_digits_t2v" / f"samples_{name}"
-    transformer = load_transformer(args.build, None if args.untrained else args.model, args.seed)
+    folder = args.model if not args.untrained else args.model_config or args.build / "model"
+    run = next(run for model_id, run in FAMILIES.values() if model_id == family_of(folder))
+    out = args.out or REPO / "outputs" / run / f"samples_{name}"
+    transformer = load_transformer(folder, not args.untrained, args.seed)
     vae = md.load_vae(args.build)
     encode_text = md.load_text_encoder(args.build)
 
     per_clip = [c for c in captions for _ in range(args.per_caption)]
+    text, mask = text_batch(encode_text, per_clip)
     latents = euler_sample(
         transformer,
-        text_batch(encode_text, per_clip),
-        latent_shape(transformer, vae),
+        text,
+        mask,
+        latent_shape(vae),
         args.steps,
         args.shift,
         args.seed,

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# torchrun launcher; run on every node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# NPROC_PER_NODE (or NPUS_PER_NODE).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Accelerator environment, only where it exists (Ascend CANN toolkit).
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+fi
+# The latent store (clips, VAE, text encoder) is moving_digits_t2v's own; the model config is model/ here.
+[[ -d examples/moving_digits_t2v/build ]] || python examples/moving_digits_t2v/build_data.py
+# Processes per node: NPROC_PER_NODE, or NPUS_PER_NODE as the MindSpeed-MM scripts name it (both set: equal)
+if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" != "$NPROC_PER_NODE" ]]; then
+  echo "train.sh: NPUS_PER_NODE=$NPUS_PER_NODE and NPROC_PER_NODE=$NPROC_PER_NODE disagree; set one" >&2
+  exit 2
+fi
+NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
+torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29522}" \
+  -m mm_core.train examples/ltx2_moving_digits/config.yaml "$@"
