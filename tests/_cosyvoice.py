@@ -130,3 +130,42 @@ def make_stage_configs(root: Path) -> dict[str, Path]:
         path.write_text(yaml.safe_dump(cfg))
         out[stage] = path
     return out
+
+
+#: the tiny discriminator of the vocoder stage (``training.task_param.discriminator``)
+TINY_DISCRIMINATOR = {"mpd_channels": [4, 8, 8, 8, 8], "mrd_channels": 4}
+
+
+def make_vocoder_config(root: Path) -> Path:
+    """CosyVoice3's vocoder stage: a tiny HiFT generator against a tiny discriminator (the
+    ``cosyvoice_vocoder`` task) on 1920-sample crops (4 mel frames) of the speech store of
+    :func:`write_speech_store`. Returns the YAML path."""
+    cfg = {
+        "parallel": {"fully_shard_parallel_size": "auto"},
+        "data": {
+            "dataset_param": {
+                "dataset_type": "cosyvoice_speech",
+                "basic_parameters": {
+                    "dataset": str(write_speech_store(root / "store")),
+                    "stage": "vocoder",
+                    "segment_samples": 1920,
+                },
+            },
+            "dataloader_param": {"collate_param": {"collator_id": "cosyvoice_vocoder"}},
+        },
+        "model": {
+            "model_id": "cosyvoice3_hift",
+            "from_scratch": True,
+            "config_overrides": {"base_channels": 16, "f0_cond_channels": 8},
+        },
+        "training": {
+            "task": "cosyvoice_vocoder",
+            "task_param": {"discriminator": TINY_DISCRIMINATOR},
+            "train_iters": 2,
+            "lr": 1.0e-3,
+            "seed": 7,
+        },
+    }
+    path = root / "vocoder.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return path

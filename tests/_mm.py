@@ -36,6 +36,21 @@ def quickstart_text_data(seq_len: int) -> dict:
     }
 
 
+def registered_model_ids() -> set[str]:
+    """The ``mm.models`` entry points of every package of the repository (``packages/*/pyproject.toml``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import pytest
+
+        tomllib = pytest.importorskip("tomli")
+    ids: set[str] = set()
+    for pyproject in sorted(REPO.glob("packages/*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+        ids |= set(project.get("entry-points", {}).get("mm.models", {}))
+    return ids
+
+
 def mm(*args: str, cwd: Path = REPO, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run the ``mm`` CLI in a subprocess (one thread per rank, as on the CI machine)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

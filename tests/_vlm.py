@@ -15,6 +15,7 @@ from _tiny import (
     MINIMAX_M3_VISION,
     STEP3P7_TEXT,
     STEP3P7_VISION,
+    qwen3_5_overrides,
 )
 
 from mm_data_vlm.processor_build import build_qwen_vl_processor
@@ -150,6 +151,39 @@ def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
     cfg["model"]["loss_cfg"]["router_aux_loss_coef"] = 0.02  # the load-balancing loss, read from text_config
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def make_qwen3_5_assets(root: Path, model_id: str, n: int = 32) -> Path:
+    """:func:`make_assets` for Qwen3.5's vision-language ids (``qwen3_5``, ``qwen3_5_moe``): the same records
+    (0, 1 or 2 images of different sizes each), images and Qwen-VL processor (patches of 14, merged 2 x 2);
+    the tiny model of :func:`_tiny.qwen3_5_overrides` (Gated DeltaNet and full-attention layers; the MoE
+    one's router loss read from ``loss_cfg``) as ``config_overrides``, with the processor's vocabulary and
+    image token ids, no config folder. Returns the YAML path."""
+    from transformers import AutoTokenizer
+
+    path = make_assets(root, n)
+    tok = AutoTokenizer.from_pretrained(root / "processor")
+    overrides = qwen3_5_overrides(model_id)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["dataloader_param"]["collate_param"]["collator_id"] = "vlm"
+    cfg["model"] = {
+        "model_id": model_id,
+        "model_name_or_path": None,
+        "from_scratch": True,
+        "config_overrides": {
+            "text_config": {**overrides["text_config"], "vocab_size": len(tok)},
+            "vision_config": {**overrides["vision_config"], "patch_size": 14, "num_position_embeddings": 16},
+            "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+            "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+            "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+            "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+            "tie_word_embeddings": True,
+        },
+        "loss_cfg": {"loss_type": "per_token_loss"},
+    }
+    out = root / f"{model_id}.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
 
 
 #: the other vision-language families' tiny assets: image processor configuration, image tokens, and the model

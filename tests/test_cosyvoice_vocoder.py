@@ -7,11 +7,11 @@ A tiny speech store is written in a temporary folder (sines and chirps, their lo
 tokens); both models are tiny (``config_overrides``). Checked:
 
 - 1 process (2 micro-batches of one sample, accumulated) and FSDP on 2 ranks (one sample each) give the same
-  losses of both models and the same gradient norms within 1e-5 for 3 steps (the TPR loss, a selection
-  by a median, within 1e-3: see ``RTOL``). (One sample per micro-batch
-  on purpose: a GAN's Adam steps amplify the float rounding of summing a batch's gradients in another
-  order, so only per-sample gradients that are bitwise the same on both layouts compare at 1e-5; the
-  layouts still differ in sharding, in the gradient all-reduce and in the metrics' reduction.)
+  losses of both models and the same gradient norms within 1e-5 for 3 steps. (One sample per micro-batch
+  on purpose: a sample computed in a batch of another size rounds differently, and the mel loss amplifies
+  that into the generator's gradient norm (``test_grouping``: up to 1e-4), so only per-sample computations
+  that are bitwise the same on both layouts compare at 1e-5; the layouts still differ in sharding, in the
+  gradient all-reduce and in the metrics' reduction.)
 - one checkpoint holds ``model.*``, ``discriminator.*``, both optimizers and both schedulers, and
   "2 steps, stop, resume for 1" equals "3 steps" exactly;
 - the generator learns something (the mel loss falls) and the pitch target is on (``loss_f0``);
@@ -35,12 +35,6 @@ STEPS = 3
 COMMON = [f"training.train_iters={STEPS}", "training.micro_batch_size=1", "training.save_interval=2"]
 METRICS = ("loss", "loss_adv", "loss_fm", "loss_mel", "loss_tpr", "loss_f0", "loss_disc", "grad_norm",
            "grad_norm_discriminator")  # fmt: skip
-#: relative tolerance per metric where 1e-5 does not hold for a reason of the loss itself. The TPR loss
-#: averages over the positions where a score lies under its median shift (a selection), so a score within
-#: float rounding of that border moves in or out of the mean: once the two layouts' weights differ by
-#: rounding (1e-7 relative at step 3, as every other metric shows), the TPR value can jump by ~1 / positions
-#: (measured: 2.6e-4 relative at step 3, 0 at steps 1-2)
-RTOL = {"loss_tpr": 1e-3}
 SAMPLE_RATE = 24000
 
 
@@ -120,8 +114,7 @@ def test_vocoder_gan_trains_the_same_on_one_and_two_ranks(runs):
     ref = got["single"]
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for key in METRICS:
-        rtol = RTOL.get(key, 1e-5)
-        assert_close_series([r[key] for r in ref], [r[key] for r in got["fsdp2"]], rtol, f"vocoder {key}")
+        assert_close_series([r[key] for r in ref], [r[key] for r in got["fsdp2"]], 1e-5, f"vocoder {key}")
     assert ref[0]["lr_discriminator"] == 3.0e-4 and ref[0]["lr"] == 1.0e-3
     assert ref[-1]["loss_mel"] < ref[0]["loss_mel"]
     assert all(math.isfinite(r[k]) and r[k] > 0 for r in ref for k in METRICS)

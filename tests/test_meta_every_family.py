@@ -3,9 +3,10 @@ when an id is added there and not here) on the meta device:
 
 - it builds on meta, shards over 2 gloo ranks, is initialised there (``training.init_model_with_meta_device:
   true``: every tensor NaN-filled first, and any tensor the initialisation leaves NaN stops the run naming it)
-  and trains 2 steps with a finite loss and gradient norm: the 19 ids of ``test_grouping``, and CosyVoice3's
-  vocoder (``cosyvoice3_hift``), whose ``cosyvoice_vocoder`` task builds and trains its discriminator
-  (``cosyvoice3_hift_disc``) the same way. All runs share one launch of 2 processes (:mod:`_launch`);
+  and trains 2 steps with a finite loss and gradient norm: the 19 ids of ``test_grouping.FAMILIES``, and
+  CosyVoice3's vocoder (``cosyvoice3_hift``), whose ``cosyvoice_vocoder`` task builds and trains its
+  discriminator (``cosyvoice3_hift_disc``) the same way. All runs share one launch of 2 processes
+  (:mod:`_launch`);
 - its weights, saved as ``mm convert dcp-to-hf`` saves them, load into the model built on meta and sharded
   (1 gloo rank, in this process) equal to a load without meta (every weight and buffer), with no tensor left
   NaN (uninitialised): the 13 ids that ``test_family_weight_names`` does not load on meta on 2 ranks (with
@@ -23,16 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _cosyvoice import write_speech_store
+from _cosyvoice import make_vocoder_config
 from _launch import run_in_one_launch
-from _mm import REPO, read_metrics
+from _mm import REPO, read_metrics, registered_model_ids
 from test_family_weight_names import META_IDS
-from test_grouping import FAMILIES
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
+from test_grouping import FAMILIES, TASK_MODELS
 
 COMMON = [
     "training.train_iters=2",
@@ -46,59 +42,10 @@ COMMON = [
     "parallel.fsdp_plan.reduce_dtype=fp32",
     "tools.tensorboard.enable=false",
 ]
-#: the tiny discriminator of the vocoder run (``training.task_param.discriminator``)
-DISCRIMINATOR = {"mpd_channels": [4, 8, 8, 8, 8], "mrd_channels": 4}
-
-
-def _vocoder(root: Path) -> Path:
-    """CosyVoice3's vocoder stage: a tiny HiFT generator against a tiny discriminator (the
-    ``cosyvoice_vocoder`` task) on 1920-sample crops of the speech store of :mod:`_cosyvoice`."""
-    cfg = {
-        "parallel": {"fully_shard_parallel_size": "auto"},
-        "data": {
-            "dataset_param": {
-                "dataset_type": "cosyvoice_speech",
-                "basic_parameters": {
-                    "dataset": str(write_speech_store(root / "store")),
-                    "stage": "vocoder",
-                    "segment_samples": 1920,
-                },
-            },
-            "dataloader_param": {"collate_param": {"collator_id": "cosyvoice_vocoder"}},
-        },
-        "model": {
-            "model_id": "cosyvoice3_hift",
-            "from_scratch": True,
-            "config_overrides": {"base_channels": 16, "f0_cond_channels": 8},
-        },
-        "training": {
-            "task": "cosyvoice_vocoder",
-            "task_param": {"discriminator": DISCRIMINATOR},
-            "train_iters": 2,
-            "lr": 1.0e-3,
-            "seed": 7,
-        },
-    }
-    path = root / "vocoder.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
-    return path
-
-
 #: model id -> a function writing its tiny assets under a folder and returning the YAML of its run
-RUNS: dict[str, Callable[[Path], Path]] = {**FAMILIES, "cosyvoice3_hift": _vocoder}
-#: model ids a run builds besides its ``model:`` (a task's further models) -> that run
-TASK_MODELS = {"cosyvoice3_hift_disc": "cosyvoice3_hift"}
+RUNS: dict[str, Callable[[Path], Path]] = {**FAMILIES, "cosyvoice3_hift": make_vocoder_config}
 #: the ids whose weights load on meta here; the others load on 2 ranks in test_family_weight_names
 LOADED_HERE = sorted((set(RUNS) | set(TASK_MODELS)) - set(META_IDS))
-
-
-def registered_model_ids() -> set[str]:
-    """The ``mm.models`` entry points of every package of the repository."""
-    ids: set[str] = set()
-    for pyproject in sorted(REPO.glob("packages/*/pyproject.toml")):
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-        ids |= set(project.get("entry-points", {}).get("mm.models", {}))
-    return ids
 
 
 def test_every_registered_model_id_is_covered():

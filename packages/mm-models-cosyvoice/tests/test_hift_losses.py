@@ -18,10 +18,13 @@ from mm_models_cosyvoice.vocoder_task import CosyVoiceVocoderTask
 
 
 def official_tpr(a: torch.Tensor, b: torch.Tensor, tau: float) -> torch.Tensor:
-    """HiFTNet's TPR of one score map over the whole batch: min(τ, mean of ((a − b) − m)² where a < b + m)."""
+    """HiFTNet's TPR of one score map over the whole batch: min(τ, mean of ((a − b) − m)² where a < b + m), in
+    float64, as float32. (In float32 the rounding of ``b + m`` puts the median position itself into the mean
+    or not: the first sample here has 6 positions in its second map's mean instead of 5.)"""
+    a, b = a.double(), b.double()
     m = torch.median(a - b)
     rel = (((a - b) - m) ** 2)[a < b + m].mean()
-    return tau - torch.relu(tau - rel)
+    return (tau - torch.relu(tau - rel)).float()
 
 
 def test_tpr_is_the_official_loss_per_sample_averaged():
@@ -38,6 +41,18 @@ def test_tpr_is_the_official_loss_per_sample_averaged():
     torch.testing.assert_close(losses.tpr(a, b, tau), (per_sample[0] + per_sample[1]) / 2)
     far = [x * 100 for x in a]
     assert losses.tpr(far, b, tau).item() == pytest.approx(2 * tau)  # truncated at τ per sub-discriminator
+
+
+def test_tpr_is_continuous_where_differences_tie_the_median():
+    """Two differences tie the (lower) median: the official mean drops the tied one from its count and jumps
+    from 0.5 to 1 where the tie forms; here it stays the mean over the two lowest-ranked positions."""
+    b = [torch.zeros(1, 1, 5)]
+    tie = [torch.tensor([[[0.0, 1.0, 1.0, 2.0, 3.0]]])]
+    near = [torch.tensor([[[0.0, 1.0 - 1e-6, 1.0, 2.0, 3.0]]])]
+    assert official_tpr(tie[0], b[0], 10.0).item() == pytest.approx(1.0)
+    assert official_tpr(near[0], b[0], 10.0).item() == pytest.approx(0.5)
+    assert losses.tpr(tie, b, 10.0).item() == pytest.approx(0.5)
+    assert losses.tpr(near, b, 10.0).item() == pytest.approx(0.5)
 
 
 def test_least_squares_feature_matching_and_mel():
