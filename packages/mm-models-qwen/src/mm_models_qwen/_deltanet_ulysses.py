@@ -111,25 +111,17 @@ class _UlyssesDeltaNet(nn.Module):
         q, k, v, b, a = mine.split(widths, dim=-1)
 
         # 2. causal depthwise convolution of this rank's channels of q, k and v
-        weight = self.conv1d.weight.squeeze(1)
-        channels = [
-            weight[rank * nk * dk : (rank + 1) * nk * dk],
-            weight[self.key_dim + rank * nk * dk : self.key_dim + (rank + 1) * nk * dk],
-            weight[2 * self.key_dim + rank * nv * dv : 2 * self.key_dim + (rank + 1) * nv * dv],
+        rows = [  # this rank's channels of q, k and v in the convolution's rows
+            slice(rank * nk * dk, (rank + 1) * nk * dk),
+            slice(self.key_dim + rank * nk * dk, self.key_dim + (rank + 1) * nk * dk),
+            slice(2 * self.key_dim + rank * nv * dv, 2 * self.key_dim + (rank + 1) * nv * dv),
         ]
+        weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias
-        if bias is not None:
-            bias = torch.cat(
-                [
-                    bias[rank * nk * dk : (rank + 1) * nk * dk],
-                    bias[self.key_dim + rank * nk * dk : self.key_dim + (rank + 1) * nk * dk],
-                    bias[2 * self.key_dim + rank * nv * dv : 2 * self.key_dim + (rank + 1) * nv * dv],
-                ]
-            )
         mixed = _dense.causal_conv1d_fn(
             torch.cat([q, k, v], dim=-1).transpose(1, 2),
-            torch.cat(channels),
-            bias,
+            torch.cat([weight[r] for r in rows]),
+            None if bias is None else torch.cat([bias[r] for r in rows]),
             activation=self.activation,
         ).transpose(1, 2)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
