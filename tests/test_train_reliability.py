@@ -102,8 +102,9 @@ def test_every_output_kind_trains_like_a_model_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_crash_in_a_plugin_is_printed_once_with_its_traceback(tmp_path: Path) -> None:
-    proc = mm_train(write_config(tmp_path, model(crash=True)))
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_crash_in_a_plugin_is_printed_once_with_its_traceback(tmp_path: Path, nproc: int) -> None:
+    proc = mm_train(write_config(tmp_path, model(crash=True)), nproc=nproc)
     assert proc.returncode == 1
     err = proc.stderr
     assert "mm: worker rank" in err and "failed: ValueError: plugin exploded in forward" in err, err[-3000:]

@@ -18,7 +18,7 @@ from _mm import mm_here
 
 import mm_data_text.units as units_mod
 from mm_core.data.cache import open_cache, verify_cache
-from mm_core.errors import DataError
+from mm_core.errors import ConfigError, DataError
 from mm_data_text.packing import pack_documents
 from mm_data_text.pretrain import TextPretrainDataset, encode_documents
 from mm_data_text.sources import read_documents
@@ -185,11 +185,39 @@ def test_a_failed_build_leaves_the_last_good_cache(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_source_that_disappears_while_preparing_is_named(tmp_path):
+    src = tmp_path / "s.txt"
+    src.write_text("data", encoding="utf-8")
+
+    def read_then_lose(folder: Path) -> dict:
+        (folder / "x.bin").write_bytes(src.read_bytes())
+        src.unlink()  # another process removes the source mid-preparation
+        return {"n": 4}
+
+    with pytest.raises(DataError, match=r"s\.txt: disappeared while it was being prepared"):
+        open_cache(root=tmp_path / "c", name="t", spec={}, sources=[src], build=read_then_lose)
+    left = [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")]
+    assert left == []  # no published cache, no temporary folder
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path, tokenizer_dir):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n", encoding="utf-8")
+    (tmp_path / "not_a_folder").write_text("", encoding="utf-8")
+    for where, said in (("not_a_folder", "is a file"), ("not_a_folder/sub", "lies under")):
+        with pytest.raises(ConfigError, match=f"basic_parameters.cache_dir: .*{said}"):
+            make(tmp_path, tokenizer_dir, dataset="a.jsonl", seq_len=8, cache_dir=str(tmp_path / where))
+
+
 def test_mm_data_prepare_and_verify(tmp_path):
     """``mm data prepare`` (2 preparation processes) as a subprocess, then the later commands in this
     process through the same entry (``_mm.mm_here``): exit status and output."""
     cfg = REPO / "examples" / "quickstart" / "config.yaml"
     cache = f"data.dataset_param.basic_parameters.cache_dir={tmp_path}"
+    # nothing prepared yet: verify refuses in one line and prepares nothing
+    empty = mm_here("data", "verify", str(cfg), cache)
+    assert empty.returncode == 2 and "no prepared text_pretrain data in" in empty.stderr, empty.stderr
+    assert "mm data prepare" in empty.stderr and "verified" not in empty.stdout
+    assert not list(tmp_path.glob("text_pretrain-*"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "mm_core.cli", "data", "prepare", str(cfg), cache, "--workers", "2"]
     first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

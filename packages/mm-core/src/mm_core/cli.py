@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from mm_core.train.entry import EXIT_USER_ERROR, guarded, report_error, run_worker
+from mm_core.train.entry import EXIT_USER_ERROR, guarded, report_error, run_worker, traceback_tail
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -24,7 +24,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         run_check(load_config(args.config, args.overrides), args.nproc_per_node, quiet=True)
 
-    code = guarded(precheck)
+    try:
+        code = guarded(precheck)
+    except Exception as exc:  # noqa: BLE001 - a crash in a plugin while checking: printed like a worker's
+        print(traceback_tail(exc), file=sys.stderr)
+        print(
+            f"mm: the check before starting the workers failed: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return 1
     if code:
         return code
     from mm_core.launch import launch_local

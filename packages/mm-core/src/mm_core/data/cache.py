@@ -43,7 +43,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from mm_core.errors import DataError
+from mm_core.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ CACHE_FORMAT = 1
 MANIFEST = "manifest.json"
 CACHE_ENV = "MM_CACHE_DIR"
 OnStale = Literal["rebuild", "error"]
+OnMissing = Literal["prepare", "error"]
 _HASH_CHUNK = 1 << 22
 #: files of a tokenizer/processor folder whose contents a prepared result depends on (never model weights)
 _TOKENIZER_FILES = (
@@ -76,13 +77,26 @@ R = TypeVar("R")
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    """Where prepared data lives: ``cache_dir``, else ``$MM_CACHE_DIR``, else the user's cache folder."""
+    """Where prepared data lives: ``cache_dir``, else ``$MM_CACHE_DIR``, else the user's cache folder. A path
+    that is (or lies under) a regular file is refused, naming where it came from."""
     if cache_dir:
-        return Path(cache_dir)
+        return _folder(Path(cache_dir), "data.dataset_param.basic_parameters.cache_dir")
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+        return _folder(Path(os.environ[CACHE_ENV]), f"${CACHE_ENV}")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mm" / "data"
+    return _folder(
+        Path(base) / "mm" / "data", "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "~/.cache"
+    )
+
+
+def _folder(path: Path, source: str) -> Path:
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"lies under {str(part)!r}, a file"
+                raise ConfigError(f"{source}: {str(path)!r} {what}; prepared data needs a folder there")
+            break
+    return path
 
 
 def digest(spec: Any) -> str:
@@ -269,11 +283,13 @@ def open_cache(
     sources: Sequence[Path],
     build: Callable[[Path], dict[str, Any]],
     on_stale: OnStale = "rebuild",
+    on_missing: OnMissing = "prepare",
     overwrite: bool = False,
     stale_hint: str = "",
 ) -> tuple[Prepared, bool]:
     """The prepared folder for ``spec`` over ``sources``, built with ``build(folder) -> payload`` when
-    missing, stale or ``overwrite``. Returns it and whether it was built now (rules: the module docstring)."""
+    missing (unless ``on_missing`` is ``error``), stale (unless ``on_stale`` is ``error``) or ``overwrite``.
+    Returns it and whether it was built now (rules: the module docstring)."""
     sources = [Path(s).resolve() for s in sources]
     final = cache_path(root, name, spec, sources)
     stem = final.name
@@ -285,6 +301,11 @@ def open_cache(
     manifest, problems = current()
     if manifest is not None and not problems and not overwrite:
         return Prepared(final, manifest), False
+    if manifest is None and on_missing == "error" and not overwrite:
+        raise DataError(
+            f"no prepared {name} data in {final}: prepare it first (`mm data prepare`), or set "
+            "data.dataset_param.basic_parameters.cache_missing: prepare"
+        )
     with _locked(root / f"{stem}.lock", f"{name} data in {final}"):
         manifest, problems = current()  # another process may have built it while this one waited
         if manifest is not None and not problems and not overwrite:
@@ -310,6 +331,16 @@ def open_cache(
                 final.rename(trash)
                 shutil.rmtree(trash, ignore_errors=True)
             tmp.rename(final)
+        except FileNotFoundError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            gone = Path(exc.filename).resolve() if exc.filename else None
+            if gone in sources:
+                raise DataError(
+                    f"{gone}: disappeared while it was being prepared; nothing was published (the last "
+                    "good cache, if any, is untouched): restore it or remove it from the dataset, then "
+                    "prepare again"
+                ) from None
+            raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -355,6 +386,7 @@ def cache_fields() -> dict[str, Any]:
         "preprocessing_num_workers": optional_positive_int(None),
         "overwrite_cache": boolean(False),
         "cache_stale": choice(("rebuild", "error"), "rebuild"),
+        "cache_missing": choice(("prepare", "error"), "prepare"),
     }
 
 
@@ -367,6 +399,7 @@ class CacheOptions:
     workers: int
     overwrite: bool = False
     on_stale: OnStale = "rebuild"
+    on_missing: OnMissing = "prepare"
 
     def open(
         self,
@@ -385,6 +418,7 @@ class CacheOptions:
             sources=sources,
             build=build,
             on_stale=self.on_stale,
+            on_missing=self.on_missing,
             overwrite=self.overwrite,
             stale_hint=f", or set {BASIC}.cache_stale: rebuild",
         )
@@ -398,4 +432,5 @@ class CacheOptions:
             workers=workers or basic["preprocessing_num_workers"] or default_workers(),
             overwrite=overwrite or basic["overwrite_cache"],
             on_stale=basic["cache_stale"],
+            on_missing=basic["cache_missing"],
         )

@@ -107,7 +107,7 @@ class PreparedDataset(ABC):
         dataset_param: Any = None,
     ) -> list[str]:
         """``mm data verify``: every problem with the prepared cache (sources and prepared files re-hashed);
-        a stale cache is reported, not rebuilt."""
-        basic = {**(basic_param or {}), "cache_stale": "error"}
+        a stale or missing cache is reported, not built."""
+        basic = {**(basic_param or {}), "cache_stale": "error", "cache_missing": "error"}
         ds = cls(basic, preprocess_param, dataset_param)  # type: ignore[call-arg]
         return verify_cache(ds.prepared)

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from mm_core.config.schema import ModelConfig
-from mm_core.errors import ConfigError
+from mm_core.errors import ConfigError, MMError
 from mm_core.models.base import BaseModel
 from mm_core.registry import model_register
 
@@ -74,6 +74,7 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
         config = AutoConfig.from_pretrained(
             path, trust_remote_code=args.trust_remote_code, local_files_only=True
         )
+        _check_model_type(model_cls, args, config)
     elif model_cls.config_class is not None:
         config = model_cls.config_class()
     else:
@@ -84,6 +85,39 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
     config = _update_config(config, args.config_overrides, "model.config_overrides")
     config.use_cache = False
     return config
+
+
+def _check_model_type(model_cls: type[PreTrainedModel], args: ModelConfig, config: PretrainedConfig) -> None:
+    """A folder of another architecture (qwen3 weights under ``model_id: qwen3_moe``) is named before the
+    model class reads a field its config lacks."""
+    expected = model_cls.config_class
+    if expected is None or isinstance(config, expected):
+        return
+    wanted = str(getattr(expected, "model_type", "") or expected.__name__)
+    found = str(getattr(config, "model_type", "") or type(config).__name__)
+    ids = [
+        name
+        for name in model_register.names()
+        if getattr(_registered_config_class(name), "model_type", None) == found
+    ]
+    hint = (
+        f"model.model_id: {' or '.join(map(repr, ids))} builds it"
+        if ids
+        else "no registered model_id builds it"
+    )
+    raise ConfigError(
+        f"model.model_id: {args.model_id!r} ({model_cls.__name__}) takes a {wanted!r} config, but "
+        f"{args.model_name_or_path}/config.json has model_type {found!r} ({hint}); set model.model_id to "
+        "match the folder, or point model.model_name_or_path at a folder of this model"
+    )
+
+
+def _registered_config_class(name: str) -> type | None:
+    try:
+        cls = model_register.get(name)
+    except MMError:  # a plugin that fails to import is reported when it is used, not here
+        return None
+    return getattr(cls, "config_class", None)
 
 
 def share_weight_conversions(cls: type) -> None:

@@ -68,18 +68,27 @@ def guarded(fn: Callable[[], int | None]) -> int:
 CRASH_TAIL_LINES = 24
 
 
-def _leave_crash_report(exc: BaseException) -> None:
-    """For the local launcher: ``crash_<rank>.txt`` with the time, the exception and its traceback tail."""
-    error_dir, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if not (error_dir and rank is not None):
-        return
+def traceback_tail(exc: BaseException) -> str:
+    """The innermost :data:`CRASH_TAIL_LINES` lines of ``exc``'s traceback (where the plugin or mm failed)."""
     lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
     tail = lines[-CRASH_TAIL_LINES:]
     if len(lines) > len(tail):  # start at a frame, not inside one
         while tail and not tail[0].startswith("  File "):
             tail = tail[1:]
         tail = ["Traceback (most recent call last, innermost frames):", *tail]
-    report = {"time": time.time(), "summary": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tail)}
+    return "\n".join(tail)
+
+
+def _leave_crash_report(exc: BaseException) -> None:
+    """For the local launcher: ``crash_<rank>.txt`` with the time, the exception and its traceback tail."""
+    error_dir, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not (error_dir and rank is not None):
+        return
+    report = {
+        "time": time.time(),
+        "summary": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback_tail(exc),
+    }
     with contextlib.suppress(OSError):
         Path(error_dir, f"crash_{rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
