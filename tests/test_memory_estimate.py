@@ -228,7 +228,7 @@ def test_estimate_of_a_model_with_towers_is_its_language_model_s():
     assert got == _estimate(
         lm, _cfg("model.recompute=true", "model.recompute_plan.apply_modules=[model.layers.0]")
     )
-    parts = {p.name: p for p in model_parts(vlm, recompute, 2, 2)}
+    parts = {p.name: p for p in model_parts(vlm, [(n,) for n in recompute], 2, 2)}
     assert set(parts) == {"model.visual", "model.language_model", "lm_head"}
     assert parts["model.visual"].units == 2 and parts["model.language_model"].units == 1
     assert sum(p.params for p in parts.values()) == sum(p.numel() for p in vlm.parameters())

@@ -60,11 +60,19 @@ def test_check_prints_the_model_plan_and_the_optimizer_summary(capsys) -> None:
     assert lines[at + 2].split() == ["recompute_units", "model.layers.{*}"]
     assert lines[at + 3].split() == ["expert_modules", "-"]
     assert lines[at + 6].split() == ["output_head", "lm_head"]
-    assert lines[at + 7].split() == ["init_weights", "-"]
-    assert lines[at + 8].startswith("fsdp units  : from parallel.fsdp_plan.apply_modules")
+    assert lines[at + 7].split() == ["input_embedding", "model.embed_tokens"]
+    assert lines[at + 8].split() == ["output_norm", "model.norm"]
+    assert lines[at + 9].split() == ["init_weights", "-"]
+    assert lines[at + 10].startswith("fsdp units  : from parallel.fsdp_plan.apply_modules")
+    # the quickstart's Qwen3 ties its embedding and head: one unit with the final norm
+    assert " ".join(lines[at + 12].split()) == (
+        "model.embed_tokens + model.norm + lm_head -> one FSDP unit (tied embedding and head, model plan, "
+        "kept gathered into the backward)"
+    )
+    # loss_chunk_size: auto at the quickstart's vocabulary of 4,096: 256 MiB / (4,096 x 4 x 2) tokens
     assert (
-        "loss        : per_token_loss; chunked loss: lm_head computes the loss 1024 tokens at a time"
-        in "\n".join(lines)
+        "loss        : per_token_loss; chunked loss: lm_head computes the loss 8192 tokens at a time "
+        "(loss_chunk_size: auto -> 8192 = floor(256 MiB / (4,096 vocabulary x 4 bytes x 2" in "\n".join(lines)
     )
     assert any(line.startswith("optimizer   : adamw over ") for line in lines), lines
     overrides = ["model.model_id=qwen3_moe", "model.model_name_or_path=null", f"model.config_overrides={MOE}"]

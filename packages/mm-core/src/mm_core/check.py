@@ -186,6 +186,8 @@ def run_check(
     for pat, hits in plan.fsdp.matched.items():
         shown = ", ".join(hits[:3]) + (f", ... ({len(hits)} modules)" if len(hits) > 3 else "")
         out(f"  {pat:<32} -> {shown}")
+    for group, note in plan.edges.notes:  # the embedding and the final norm + head (model plan)
+        out(f"  {group:<32} -> {note}")
     out("  (root)                           -> the remaining parameters")
     _print_expert_parallel(model, plan, out)
     if plan.context is not None:
@@ -218,7 +220,7 @@ def run_check(
         f"gathered units {mem.gathered / GiB:.3f} + activations {mem.activations / GiB:.3f} + backward "
         f"transient {mem.transient / GiB:.3f} (see docs/memory.md)"
     )
-    for part in model_parts(model, plan.unit_names, sizes.fsdp, moments):
+    for part in model_parts(model, plan.unit_groups, sizes.fsdp, moments):
         frozen_note = f", {part.params - part.trainable:,} frozen" if part.trainable < part.params else ""
         out(
             f"  {part.name:<30} {part.params:>14,} params{frozen_note}, {part.units} FSDP unit(s), "

@@ -125,17 +125,20 @@ def _gathered_numel(param: nn.Parameter) -> int:
     return numel
 
 
-def _gathered_units(model: nn.Module, units: list[str]) -> tuple[int, int]:
-    """(elements of the root unit, of the largest unit with the units nested in it) while gathered."""
-    tops = [u for u in units if not any(u.startswith(o + ".") for o in units if o != u)]
-    owner: dict[int, str] = {}
+def _gathered_units(model: nn.Module, units: list[tuple[str, ...]]) -> tuple[int, int]:
+    """(elements of the root unit, of the largest unit with the units nested in it) while gathered; ``units``:
+    each unit's module names (several for a unit of sibling modules, e.g. the final norm and head)."""
+    names = [n for unit in units for n in unit]
+    tops = [u for u in units if not any(n.startswith(o + ".") for n in u for o in names if o not in u)]
+    owner: dict[int, tuple[str, ...]] = {}
     for name, param in model.named_parameters():
-        owner.setdefault(id(param), next((u for u in tops if name.startswith(u + ".")), ""))
-    sizes: dict[str, int] = {}
+        inside = (u for u in tops if any(name.startswith(n + ".") for n in u))
+        owner.setdefault(id(param), next(inside, ()))
+    sizes: dict[tuple[str, ...], int] = {}
     for param in model.parameters():
         unit = owner[id(param)]
         sizes[unit] = sizes.get(unit, 0) + _gathered_numel(param)
-    root = sizes.pop("", 0)
+    root = sizes.pop((), 0)
     return root, max(sizes.values(), default=0)
 
 
@@ -158,7 +161,7 @@ def simulate(
         acts, transient = estimate_activations(model, plan, tokens, device_type="cuda")
         sharded, _ = shard_model(model, plan, state)
         params = list(sharded.parameters())
-        root, largest = _gathered_units(sharded, [*plan.unit_names, *plan.expert_units])
+        root, largest = _gathered_units(sharded, [*plan.unit_groups, *((n,) for n in plan.expert_units)])
         ahead = plan.settings.parallel.fsdp_plan.num_to_forward_prefetch
         compute = to_dtype(plan.mixed_precision.param_dtype).itemsize
         reduce = to_dtype(plan.mixed_precision.reduce_dtype).itemsize

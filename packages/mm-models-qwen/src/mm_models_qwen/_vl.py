@@ -15,10 +15,10 @@ VISION_TOWER = "model.visual"
 PROJECTOR = "model.visual.merger"
 
 
-#: Vision blocks and language layers are separate FSDP (and recompute) units; the patch embedding, projector,
-#: embeddings and head stay in the root unit. Context parallelism: the vision tower and the 3-D (mRoPE)
-#: positions see the whole sequence; mm splits it at the language model's input, deepstack features (one
-#: row per image token) included.
+#: Vision blocks and language layers are separate FSDP (and recompute) units, and so are the token embedding
+#: and the final norm with the head; the patch embedding and projector stay in the root unit. Context
+#: parallelism: the vision tower and the 3-D (mRoPE) positions see the whole sequence; mm splits it at the
+#: language model's input, deepstack features (one row per image token) included.
 QWEN_VL_PLAN = ModelPlan(
     fsdp_units=("model.visual.blocks.{*}", "model.language_model.layers.{*}"),
     recompute_units=("model.visual.blocks.{*}", "model.language_model.layers.{*}"),
@@ -26,6 +26,8 @@ QWEN_VL_PLAN = ModelPlan(
     cp_split_module="model.language_model",
     cp_packed_inputs=(("deepstack_visual_embeds", "visual_pos_masks"),),
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
 )
 
 

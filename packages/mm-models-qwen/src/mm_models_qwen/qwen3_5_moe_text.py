@@ -27,6 +27,8 @@ class Qwen3_5MoeTextForTraining(TransformersExperts, Qwen3_5MoeForCausalLM):
         expert_modules=("model.layers.{*}.mlp.experts",),
         muon_exclude_modules=("model.layers.{*}.mlp.gate", "model.layers.{*}.mlp.shared_expert_gate"),
         output_head="lm_head",
+        input_embedding="model.embed_tokens",
+        output_norm="model.norm",
         init_weights=init_qwen3_5_moe,
         ulysses_layer_types=("linear_attention",),
         ulysses_layers=use_ulysses_deltanet,

@@ -22,5 +22,7 @@ class Qwen3MoeForTraining(TransformersExperts, Qwen3MoeForCausalLM):
         expert_modules=("model.layers.{*}.mlp.experts",),
         muon_exclude_modules=("model.layers.{*}.mlp.gate",),
         output_head="lm_head",
+        input_embedding="model.embed_tokens",
+        output_norm="model.norm",
         init_weights=init_expert_adapters,
     )

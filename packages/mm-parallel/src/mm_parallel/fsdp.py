@@ -42,20 +42,29 @@ def mixed_precision_policy(
     )
 
 
+#: one FSDP unit: a module, or several sibling modules sharded and gathered together (e.g. a model's final
+#: norm and output head)
+Unit = nn.Module | Sequence[nn.Module]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
-    units: Sequence[nn.Module],
+    units: Sequence[Unit],
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    keep_after_forward: Sequence[Unit] = (),
 ) -> FSDPModule:
-    """Shard each module in ``units`` as its own FSDP unit (in the given order), then the root ``model``.
+    """Shard each unit in ``units`` as its own FSDP unit (in the given order), then the root ``model``.
 
-    ``units`` must be submodules of ``model``; nested units are fine (inner ones first). Returns the root,
-    which is now an :class:`FSDPModule`.
+    A unit is a submodule of ``model`` or a list of them (one ``fully_shard`` call: one all-gather and one
+    reduce-scatter for all of them). Nested units are fine (inner ones first). Units in
+    ``keep_after_forward`` (the same objects as in ``units``) stay gathered after their forward whatever
+    ``reshard_after_forward`` says: the last unit of a forward, whose backward runs right after it. Returns
+    the root, which is now an :class:`FSDPModule`.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -63,7 +72,6 @@ def apply_fsdp(
         )
     kwargs: dict[str, Any] = dict(  # one set of options for every unit (fully_shard is overloaded)
         mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         # pinned host memory needs an accelerator; on a CPU mesh the shards are plain host tensors already
         offload_policy=(
@@ -72,10 +80,15 @@ def apply_fsdp(
         ignored_params=ignored_params,
     )
     owned = {id(m) for m in model.modules()}
+    kept = {id(u) for u in keep_after_forward}
     for unit in units:
-        if id(unit) not in owned:
-            raise ValueError(f"FSDP unit {type(unit).__name__} is not a submodule of the model")
-        if unit is model:
+        members = [unit] if isinstance(unit, nn.Module) else list(unit)
+        for member in members:
+            if id(member) not in owned:
+                raise ValueError(f"FSDP unit {type(member).__name__} is not a submodule of the model")
+        if any(member is model for member in members):
             continue
-        fully_shard(unit, **kwargs)
-    return fully_shard(model, **kwargs)  # the same object, its class now also an FSDPModule
+        reshard = reshard_after_forward and id(unit) not in kept
+        fully_shard(members[0] if len(members) == 1 else members, reshard_after_forward=reshard, **kwargs)
+    # the same object, its class now also an FSDPModule
+    return fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)

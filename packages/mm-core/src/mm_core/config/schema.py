@@ -149,8 +149,17 @@ class LossConfig(Block):
     #: ``per_sample_loss``), so the full-vocabulary logits of the sequence never exist at once; used when the
     #: model plan names its ``output_head`` (see docs/performance.md)
     chunked_loss: bool = True
-    #: tokens per chunk of the chunked loss
-    loss_chunk_size: int = Field(1024, ge=1)
+    #: tokens per chunk of the chunked loss; ``auto``: as many as keep one chunk's fp32 logits and their
+    #: gradient within 256 MiB, ``floor(256 MiB / (vocabulary x 4 bytes x 2))`` tokens (at least 1; 220 at
+    #: Qwen's 151,936), resolved from the output head (``mm check`` prints it; docs/performance.md)
+    loss_chunk_size: int | Auto = "auto"
+
+    @field_validator("loss_chunk_size")
+    @classmethod
+    def _chunk_positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"give a positive number of tokens or auto, got {v}")
+        return v
 
 
 class RecomputePlan(Block):

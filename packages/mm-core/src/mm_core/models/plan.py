@@ -54,6 +54,13 @@ class ModelPlan:
     #: after it), called once per forward, e.g. ``"lm_head"``: mm computes the loss there in chunks
     #: (``model.loss_cfg.chunked_loss``). None: the loss is taken from the full ``.logits``
     output_head: str | None = None
+    #: the token embedding (e.g. ``"model.embed_tokens"``): an FSDP unit of its own, gathered for the
+    #: forward's first step and resharded after it (one unit with ``output_head`` when their weights are
+    #: tied). None: it stays on the root unit
+    input_embedding: str | None = None
+    #: the norm applied right before ``output_head`` (e.g. ``"model.norm"``): one FSDP unit with the head,
+    #: kept gathered from the end of the forward into the backward
+    output_norm: str | None = None
     #: fields of the forward's output (0-dim tensors, e.g. ``("video_loss", "audio_loss")``: the parts of a
     #: joint loss) reported in the metrics beside ``loss``, each the mean over the step's micro-batches and
     #: ranks of the model's value (micro-batches where it is None are left out)
@@ -143,6 +150,8 @@ class ModelPlan:
             hook = getattr(self, hook_name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"ModelPlan.{hook_name}: {hook!r} is not callable")
+        if self.output_norm is not None and self.output_head is None:
+            raise ValueError("ModelPlan.output_norm is grouped with ModelPlan.output_head; name the head too")
         if self.context_parallel is not None and (self.cp_split_module or self.cp_packed_inputs):
             raise ValueError("ModelPlan.context_parallel (the model splits itself) excludes cp_split_module")
 
@@ -177,6 +186,8 @@ class ModelPlan:
             f"  cp_split_module       {cp}",
             f"  muon_exclude_modules  {patterns(self.muon_exclude_modules)}",
             f"  output_head           {self.output_head or '- (loss from the full logits)'}",
+            f"  input_embedding       {self.input_embedding or '- (on the root unit)'}",
+            f"  output_norm           {self.output_norm or '-'}",
             f"  init_weights          {named(self.init_weights)}",
         ]
 

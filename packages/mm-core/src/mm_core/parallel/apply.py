@@ -94,6 +94,11 @@ def meta_init(setting: bool | str, mcfg: ModelConfig, lora: LoraConfig | None) -
     path = mcfg.model_name_or_path
     if not mcfg.from_scratch and path and Path(path).is_dir() and not has_weights(path):
         return False, f"{auto} -> false ({path} holds no safetensors: the model's own loader reads it)"
+    if mcfg.special_tokens and not mcfg.from_scratch:
+        return False, (
+            f"{auto} -> false (model.special_tokens: new embedding rows take the mean of the loaded ones, "
+            "on a whole model)"
+        )
     return True, f"{auto} -> true (built on the meta device, sharded, then filled per rank)"
 
 
@@ -149,6 +154,9 @@ def shard_model(
         reshard_after_forward=fsdp.reshard_after_forward,
     )
     units = [(n, model.get_submodule(n)) for n in plan.fsdp.names]
+    # the embedding and the final norm + head (model plan): units of their own, applied first (inner ones)
+    edges = [[model.get_submodule(n) for n in group] for group in plan.edges.groups]
+    kept = [e for g, e in zip(plan.edges.groups, edges, strict=True) if g == plan.edges.kept]
     compiled = plan.compile
     # recompute / activation offload are module hooks applied before fully_shard; prefetch is wired after.
     # training.compile then compiles each unit's forward in place (a recomputed one: checkpoint inside)
@@ -163,16 +171,19 @@ def shard_model(
     sharded = apply_fsdp(
         model,
         state.fsdp_mesh,
-        [m for _, m in units],
+        [*edges, *(m for _, m in units)],
         mp_policy=mp,
         reshard_after_forward=fsdp.reshard_after_forward,
         cpu_offload=fsdp.cpu_offload,
         ignored_params=ignored or None,
+        keep_after_forward=kept,
     )
     assert isinstance(sharded, nn.Module)  # apply_fsdp returns `model`, now also an FSDPModule
     # the expert modules are FSDP units of their own when ep > 1 (sharded over efsdp by apply_expert_parallel)
     expert_units = [(n, sharded.get_submodule(n)) for n in experts]
-    gathered = units + [u for u in expert_units if isinstance(u[1], FSDPModule)]
+    # an edge unit is prefetched through its first module (the modules of a unit share its FSDP state)
+    edge_units = [(" + ".join(g), e[0]) for g, e in zip(plan.edges.groups, edges, strict=True)]
+    gathered = edge_units + units + [u for u in expert_units if isinstance(u[1], FSDPModule)]
     return sharded, apply_prefetch(sharded, plan.gather, gathered)
 
 

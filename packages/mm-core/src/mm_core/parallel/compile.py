@@ -62,14 +62,18 @@ def _inside(name: str, outer: str) -> bool:
     return name != outer and (not outer or name.startswith(outer + "."))
 
 
-def plan_compile(units: Sequence[str], experts: Sequence[str], feats: MemoryFeatures) -> CompilePlan:
+def plan_compile(
+    units: Sequence[str], experts: Sequence[str], feats: MemoryFeatures, others: Sequence[str] = ()
+) -> CompilePlan:
     """Split the FSDP ``units`` (module names, expert modules excluded) into compiled and eager ones, and
-    check the memory features ``feats`` against the compiled ones (a ConfigError names the YAML key)."""
+    check the memory features ``feats`` against the compiled ones (a ConfigError names the YAML key).
+    ``others``: the modules of the other FSDP units (the embedding, the final norm and head), never compiled;
+    a unit holding one runs eagerly."""
     compiled: list[str] = []
     eager: dict[str, str] = {}
     for unit in units:
         held_experts = [e for e in experts if _inside(e, unit)]
-        held_units = [u for u in units if _inside(u, unit)]
+        held_units = [u for u in [*units, *others] if _inside(u, unit)]
         if not unit:
             eager[unit] = "is the whole model"
         elif held_experts:

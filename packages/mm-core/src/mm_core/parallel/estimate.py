@@ -79,6 +79,12 @@ def _numel(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
+def _group_numel(modules: Sequence[nn.Module]) -> int:
+    """Parameters of a unit of one or more modules, a tensor they share (tied embeddings) counted once."""
+    params = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() for p in params.values())
+
+
 def _decoder_layers(model: nn.Module, n_layers: int) -> str | None:
     """The name of the decoder's layer list: the ``...layers`` list of ``n_layers`` modules, the language
     model's when towers have layer lists of their own (an audio encoder's ``layers``)."""
@@ -225,7 +231,9 @@ class ModelPart:
     states: float
 
 
-def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments: float) -> list[ModelPart]:
+def model_parts(
+    model: nn.Module, units: Sequence[Sequence[str]], fsdp_size: int, moments: float
+) -> list[ModelPart]:
     """The model's parts with parameters: its top-level modules, with a ``model`` that holds several (the
     audio and vision towers and the language model of a multimodal model) split one level further. A tensor
     shared by two parts (tied embeddings) counts in the first."""
@@ -243,9 +251,9 @@ def model_parts(model: nn.Module, unit_names: list[str], fsdp_size: int, moments
         seen.update(id(p) for p in params)
         total = sum(p.numel() for p in params)
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        units = sum(1 for u in unit_names if u.startswith(name + "."))
+        held = sum(1 for u in units if any(n == name or n.startswith(name + ".") for n in u))
         states = (4 * total + 4 * trainable + 4 * moments * trainable) / fsdp_size
-        out.append(ModelPart(name, total, trainable, units, states))
+        out.append(ModelPart(name, total, trainable, held, states))
     return out
 
 
@@ -261,7 +269,7 @@ def estimate_breakdown(
     param_bytes = to_dtype(plan.mixed_precision.param_dtype).itemsize
     grad_bytes = to_dtype(plan.mixed_precision.reduce_dtype).itemsize
     modules = dict(model.named_modules())
-    unit_sizes = [_numel(modules[n]) for n in plan.unit_names if n]
+    unit_sizes = [_group_numel([modules[n] for n in group]) for group in plan.unit_groups if any(group)]
     root = total - sum(unit_sizes)
     biggest = max(unit_sizes, default=0)
     ahead = plan.settings.parallel.fsdp_plan.num_to_forward_prefetch

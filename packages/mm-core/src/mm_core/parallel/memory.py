@@ -250,10 +250,24 @@ def describe_features(feats: MemoryFeatures, plan: FSDPPlan) -> list[str]:
     return lines
 
 
+#: ``model.loss_cfg.loss_chunk_size: auto`` bounds one chunk's logits and their gradient to this many bytes
+AUTO_CHUNK_BYTES = 256 * 2**20
+#: bytes per logit element of a chunk: the head computes the chunk's logits (and their gradient, in place) in
+#: fp32 whatever the parameters' dtype
+LOGIT_BYTES = 4
+
+
+def auto_chunk_size(vocab: int) -> int:
+    """``loss_chunk_size: auto``: ``floor(256 MiB / (vocab x 4 bytes x 2 (logits + gradient)))`` tokens, at
+    least 1 (220 at Qwen's 151,936)."""
+    return max(1, AUTO_CHUNK_BYTES // (vocab * LOGIT_BYTES * 2))
+
+
 @dataclass(frozen=True)
 class ChunkedHead:
     """``model.loss_cfg.chunked_loss``: the path of the output head that computes the loss in chunks (None:
-    the loss takes the full logits), the chunk size, and one line for the log saying so, or why not."""
+    the loss takes the full logits), the chunk size (``loss_chunk_size`` resolved), and one line for the log
+    saying so, or why not."""
 
     path: str | None
     note: str
@@ -264,10 +278,12 @@ def chunked_loss_plan(
     model: nn.Module, loss: LossConfig, plan: ModelPlan, *, enabled: bool = True
 ) -> ChunkedHead:
     """Where the chunked loss goes (``model.loss_cfg.chunked_loss``; ``plan``: the model's plan, naming its
-    output head). ``enabled=False``: another model of a task, which computes its own loss."""
+    output head), and its chunk size (``loss_chunk_size: auto`` resolved from the head's vocabulary).
+    ``enabled=False``: another model of a task, which computes its own loss."""
+    fixed = loss.loss_chunk_size if isinstance(loss.loss_chunk_size, int) else None
 
     def off(note: str) -> ChunkedHead:
-        return ChunkedHead(None, note, loss.loss_chunk_size)
+        return ChunkedHead(None, note, fixed or 0)
 
     if loss.loss_type == "raw":
         return off("chunked loss off: loss_type raw trains on the model's own .loss")
@@ -291,11 +307,23 @@ def chunked_loss_plan(
             f"chunked loss off: {path} is a {type(head).__name__} (e.g. a LoRA layer), not a plain "
             "nn.Linear; the loss takes the full logits"
         )
+    assert isinstance(head, nn.Linear)  # ChunkedLossHead is one too
+    vocab = head.out_features
+    if fixed is None:
+        size = auto_chunk_size(vocab)
+        how = (
+            f"loss_chunk_size: auto -> {size} = floor(256 MiB / ({vocab:,} vocabulary x {LOGIT_BYTES} bytes "
+            "x 2 (logits + gradient)))"
+        )
+    else:
+        size, how = fixed, f"loss_chunk_size: {fixed}"
+    chunk_mib = size * vocab * LOGIT_BYTES * 2 / 2**20
     return ChunkedHead(
         path,
-        f"chunked loss: {path} computes the loss {loss.loss_chunk_size} tokens at a time "
-        "(model.loss_cfg.chunked_loss; full-vocabulary logits are never formed)",
-        loss.loss_chunk_size,
+        f"chunked loss: {path} computes the loss {size} tokens at a time ({how}; a chunk's fp32 logits and "
+        f"their gradient: {chunk_mib:,.0f} MiB; model.loss_cfg.chunked_loss; full-vocabulary logits are "
+        "never formed)",
+        size,
     )
 
 

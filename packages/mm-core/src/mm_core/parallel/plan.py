@@ -69,6 +69,25 @@ class Units:
 
 
 @dataclass(frozen=True)
+class EdgeUnits:
+    """The token embedding and the final norm + output head as FSDP units of their own (the model plan's
+    ``input_embedding``, ``output_norm`` and ``output_head``), so that they are gathered and reduced like a
+    layer (overlapped with the layers' compute) and resharded after use, instead of living on the root unit,
+    which stays gathered for the whole step. A tied embedding and head are one unit."""
+
+    #: each unit: the module names sharded together, in forward order
+    groups: tuple[tuple[str, ...], ...] = ()
+    #: the unit kept gathered from its forward into the backward (the head's; its backward runs next)
+    kept: tuple[str, ...] | None = None
+    #: for ``mm check``: (the modules, what became of them: a unit, or why they stay on the root)
+    notes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in g)
+
+
+@dataclass(frozen=True)
 class MixedPrecision:
     """``parallel.fsdp_plan.{param,reduce,output}_dtype`` and ``cast_forward_inputs``."""
 
@@ -109,6 +128,14 @@ class BuildPlan:
     #: by pattern: the FLOPs count's routed experts and tower units
     default_experts: tuple[str, ...] = ()
     default_units: tuple[str, ...] = ()
+    #: the embedding and the final norm + head as units of their own (model plan); applied before ``fsdp``
+    edges: EdgeUnits = EdgeUnits()
+
+    @property
+    def unit_groups(self) -> list[tuple[str, ...]]:
+        """Every FSDP unit but the root and the expert units, each as the module names sharded together:
+        the edge units (embedding, final norm + head), then ``fsdp``'s, in the order they are applied."""
+        return [*self.edges.groups, *((n,) for n in self.fsdp.names)]
 
     @property
     def expert_units(self) -> tuple[str, ...]:
@@ -164,6 +191,58 @@ def _fsdp_units(
     return Units(key, {k: tuple(v) for k, v in matched.items()}, tuple(names))
 
 
+def _within(name: str, outer: str) -> bool:
+    """Whether module ``name`` is ``outer`` or inside it ('' is the root)."""
+    return name == outer or not outer or name.startswith(outer + ".")
+
+
+def _edge_units(
+    model: nn.Module, model_plan: ModelPlan, units: Sequence[str], ignored: Sequence[str]
+) -> EdgeUnits:
+    """The model plan's ``input_embedding`` and ``output_norm`` + ``output_head`` as FSDP units of their own
+    (see :class:`EdgeUnits`), unless a module of one is (or holds) a unit already, lies in
+    ``parallel.fsdp_plan.ignored_modules``, or holds no parameter."""
+    emb, norm, head = model_plan.input_embedding, model_plan.output_norm, model_plan.output_head
+    if emb is None and norm is None:
+        return EdgeUnits()  # the plan does not ask for them (the head alone stays on the root)
+    modules = dict(model.named_modules())
+    cls = type(model).__name__
+    for field_name, path in (("input_embedding", emb), ("output_norm", norm), ("output_head", head)):
+        if path is not None and path not in modules:
+            raise ConfigError(f"{cls}: ModelPlan.{field_name} {path!r} is not a module of the model")
+
+    def params(path: str) -> set[int]:
+        return {id(p) for p in modules[path].parameters()}
+
+    tied = emb is not None and head is not None and bool(params(emb) & params(head))
+    wanted: list[tuple[str, ...]]
+    if tied:
+        assert emb is not None and head is not None  # tied implies both
+        wanted = [tuple(n for n in (emb, norm, head) if n is not None)]
+    else:
+        wanted = [(emb,)] if emb is not None else []
+        wanted.append(tuple(n for n in (norm, head) if n is not None))
+    groups: list[tuple[str, ...]] = []
+    notes: list[tuple[str, str]] = []
+    for group in wanted:
+        label = " + ".join(group)
+        clash = next((u for u in units for n in group if _within(u, n)), None)
+        dropped = next((i for i in ignored for n in group if _within(n, i)), None)
+        if clash is not None:
+            notes.append((label, f"not a unit of its own (it is or holds the FSDP unit {clash or '(root)'})"))
+        elif dropped is not None:
+            notes.append((label, f"stays on the root (parallel.fsdp_plan.ignored_modules: {dropped})"))
+        elif not any(True for n in group for _ in modules[n].parameters()):
+            notes.append((label, "stays on the root (no parameters)"))
+        else:
+            groups.append(group)
+            what = "tied embedding and head, " if tied else ""
+            held = ", kept gathered into the backward" if head in group else ""
+            notes.append((label, f"one FSDP unit ({what}model plan{held})"))
+    kept = next((g for g in groups if head in g), None)
+    return EdgeUnits(tuple(groups), kept, tuple(notes))
+
+
 def _ignored(model: nn.Module, settings: BuildSettings, match: ModuleMatches) -> tuple[str, ...]:
     """``parallel.fsdp_plan.ignored_modules``: kept whole on every rank, so they must be frozen."""
     patterns = settings.parallel.fsdp_plan.ignored_modules if settings.main else []
@@ -197,8 +276,10 @@ def resolve_build(
     memory = plan_memory_features(mcfg, model_plan, type(model).__name__, match)
     fp = parallel.fsdp_plan
     expert_units = list(names) if sizes.ep > 1 else []
+    ignored = _ignored(model, settings, match)
+    edges = _edge_units(model, model_plan, fsdp.names, ignored)
     gather = plan_gather(fp, [*fsdp.names, *expert_units], match)
-    compiled = plan_compile(list(fsdp.names), names, memory) if settings.compile else None
+    compiled = plan_compile(list(fsdp.names), names, memory, edges.modules) if settings.compile else None
     chunked = chunked_loss_plan(model, mcfg.loss_cfg, model_plan, enabled=settings.main)
     context = plan_context_parallel(model, facts, model_plan, mcfg, sizes) if sizes.cp > 1 else None
     return BuildPlan(
@@ -209,7 +290,7 @@ def resolve_build(
         prepared=prepared,
         fsdp=fsdp,
         experts=experts,
-        ignored=_ignored(model, settings, match),
+        ignored=ignored,
         mixed_precision=MixedPrecision(
             fp.param_dtype, fp.reduce_dtype, fp.output_dtype, fp.cast_forward_inputs
         ),
@@ -220,6 +301,7 @@ def resolve_build(
         context=context,
         default_experts=match.every(model_plan.expert_modules),
         default_units=match.every(model_plan.fsdp_units),
+        edges=edges,
     )
 
 
@@ -244,6 +326,12 @@ def plan_json(plan: BuildPlan) -> dict[str, Any]:
             "matched": {k: list(v) for k, v in plan.fsdp.matched.items()},
             "units": list(plan.fsdp.names),
             "mesh": list(plan.fsdp_mesh),
+        },
+        "edge_units": {
+            "key": "model plan (input_embedding, output_norm, output_head)",
+            "units": [list(g) for g in plan.edges.groups],
+            "kept_after_forward": None if plan.edges.kept is None else list(plan.edges.kept),
+            "notes": dict(plan.edges.notes),
         },
         "experts": {
             "key": plan.experts.key,
@@ -271,6 +359,7 @@ def plan_json(plan: BuildPlan) -> dict[str, Any]:
         "chunked_loss": {
             "key": "model.loss_cfg.chunked_loss",
             "head": plan.chunked.path,
+            "chunk_size": plan.chunked.chunk_size if plan.chunked.path is not None else None,
             "note": plan.chunked.note,
         },
         "context_parallel": None if plan.context is None else plan.context.to_json(),

@@ -37,7 +37,8 @@ def describe_build(name: str, model: nn.Module, plan: BuildPlan, tokens: int, mo
         f"{head}{plan.facts.class_name}, {total:,} parameters, {trainable:,} trainable, "
         f"{total - trainable:,} frozen ({len(plan.prepared.frozen)} modules by model.freeze, "
         f"LoRA adapters on {len(plan.prepared.lora)})",
-        f"{head}{len(plan.fsdp.names)} FSDP units from {plan.fsdp.key} and the root; {experts} "
+        f"{head}{len(plan.fsdp.names)} FSDP units from {plan.fsdp.key}, {len(plan.edges.groups)} for the "
+        f"embedding / final norm + head (model plan) and the root; {experts} "
         f"expert-parallel modules (ep={plan.sizes.ep})",
         f"{head}{plan.chunked.note}",
         f"{head}{mem.total / GiB:.4f} GiB per rank estimated (CPU), model states "

@@ -53,6 +53,7 @@ from mm_core.tools import StepTools
 from mm_core.train.flops import peak_tflops
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
 from mm_core.train.outputs import check_run_outputs
+from mm_core.train.precision import set_fp32_precision
 from mm_core.train.signals import StopRequest
 
 log = logging.getLogger("mm")
@@ -93,6 +94,7 @@ class Trainer:
         self.state: ParallelState = init_parallel_state(cfg.parallel)
         if tcfg.use_deter_comp:
             set_deterministic(True)
+        precision_note = set_fp32_precision(self.state.device, tcfg.use_deter_comp)
         seed_everything(tcfg.seed)
         # where training.load points, resolved once: `auto` with no checkpoint yet means a fresh start,
         # so a meta-built model must then be initialised rather than left waiting for weights
@@ -149,6 +151,7 @@ class Trainer:
         self._resume()
         for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
             self._info(line)
+        self._info(precision_note)
         if self.task.setup_note:
             self._info(self.task.setup_note)  # once set up: a run that fails to start prints only its error
         return self
