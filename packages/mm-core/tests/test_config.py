@@ -209,12 +209,39 @@ def test_literal_value_lists_the_accepted_values(
         (lambda r: r["model"].pop("model_id"), "model.model_id"),
         (lambda r: r["data"].pop("dataset_param"), "data.dataset_param"),
         (lambda r: r["data"]["dataset_param"].pop("dataset_type"), "data.dataset_param.dataset_type"),
-        (lambda r: r["training"].pop("train_iters"), "training.train_iters"),
     ],
 )
 def test_missing_required_key_is_named(good_raw: dict[str, Any], edit: Callable, key: str) -> None:
     msg = error_for(good_raw, edit)
     assert f"cfg.yaml: {key}: missing" in msg
+
+
+@pytest.mark.parametrize(
+    ("edit", "got"),
+    [
+        (lambda r: r["training"].pop("train_iters"), "neither"),
+        (lambda r: r["training"].update(train_epochs=2), "both (train_iters 2, train_epochs 2.0)"),
+    ],
+)
+def test_one_of_train_iters_and_train_epochs(good_raw: dict[str, Any], edit: Callable, got: str) -> None:
+    msg = error_for(good_raw, edit)
+    assert msg == (
+        "cfg.yaml: training: give exactly one of training.train_iters (optimizer steps) and "
+        f"training.train_epochs (passes over the data), got {got}; set the other to null"
+    )
+
+
+def test_train_epochs_alone_is_accepted(good_raw: dict[str, Any]) -> None:
+    raw = copy.deepcopy(good_raw)
+    raw["training"].pop("train_iters")
+    raw["training"]["train_epochs"] = 1.5
+    tcfg = validate_config(raw).training
+    assert tcfg.train_epochs == 1.5
+    with pytest.raises(RuntimeError, match="not resolved"):
+        _ = tcfg.total_iters
+    tcfg.set_epoch_iters(7)
+    assert tcfg.total_iters == 7
+    assert "train_iters: null" in yaml.safe_dump(tcfg.model_dump(mode="json"))  # the saved config as given
 
 
 def test_optional_blocks_take_defaults(good_raw: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from mm_core.config.support import check_supported
 from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub
 from mm_core.models.nograd import describe_frozen, describe_probe, probe_gradients
+from mm_core.models.special_tokens import resize_embeddings, vocabulary_size
 from mm_core.optim.factory import describe_optimizer, optimizer_plugin
 from mm_core.parallel.apply import prepare_model
 from mm_core.parallel.context import use_context_parallel_attention
@@ -103,6 +104,8 @@ def plan_on_meta(
     ``model:``), ``model.freeze`` and LoRA, the build plan, and the context-parallel attention switch."""
     settings = build_settings(cfg, model_cfg)
     model = ModelHub.build(settings.model.model_copy(update={"from_scratch": True}), meta=True)
+    if settings.main and settings.model.special_tokens:  # the shapes the worker resizes to
+        resize_embeddings(model, vocabulary_size(cfg), mean_init=False)
     plan = prepare_and_plan(model, cfg, settings, sizes)
     if plan.context is not None:  # the same model checks the trainer makes for context parallelism
         use_context_parallel_attention(model, plan.context, plan.facts)

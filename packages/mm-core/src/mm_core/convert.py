@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,6 +30,7 @@ from mm_core.data.plan import registered_data_plan
 from mm_core.errors import CheckpointError, ConfigError, PluginError
 from mm_core.lora import is_adapter_key
 from mm_core.models.hub import ModelHub, has_weights
+from mm_core.models.special_tokens import resize_embeddings, vocabulary_size
 from mm_core.registry import model_register
 
 _TOKENIZER_FILES = (
@@ -212,18 +215,13 @@ def dcp_to_hf(
                 f"(model.model_name_or_path: {base!r}) has no *.safetensors weights here"
             )
         model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": False}))
-    else:
-        model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
-        model.to_empty(device="cpu")
-    if cfg.training.lora.enable:
-        from mm_core.lora import apply_lora
+        resize_embeddings(model, vocabulary_size(cfg), mean_init=True)
+        if cfg.training.lora.enable:
+            from mm_core.lora import apply_lora
 
-        apply_lora(model, cfg.training.lora)
-    if not adapters_only:
-        with torch.no_grad():
-            # non-persistent buffers (e.g. rotary frequencies); weights are overwritten. PreTrainedModel and
-            # BaseModel (the only kinds ModelHub builds) both define init_weights
-            model.init_weights()  # type: ignore[operator]
+            apply_lora(model, cfg.training.lora)
+    else:
+        model = empty_export_model(cfg, metadata)
     expected = model.state_dict()
     aliases = {n for names in tied_aliases(model) for n in names[1:]}
     missing = sorted(k for k in expected if k not in stored and k not in aliases)
@@ -244,7 +242,44 @@ def dcp_to_hf(
         merge_lora(model)  # adapters folded into the base weights: a plain transformers model again
     if not allow_nonfinite:
         _check_finite(model, path)
-    dst = Path(dst)
+    return write_hf_folder(model, cfg, Path(dst), max_shard_size)
+
+
+def _stored_vocabulary(model: nn.Module, metadata: Mapping[str, Any]) -> int | None:
+    """Rows of the input embedding as a checkpoint stores it (``metadata``: its DCP metadata by key)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    name = next((n for n, m in model.named_modules() if m is embedding), None)
+    entry = metadata.get(f"model.{name}.weight") if name is not None else None
+    size = getattr(entry, "size", None)
+    return int(size[0]) if size else None
+
+
+def empty_export_model(cfg: MMConfig, metadata: Mapping[str, Any] | None = None) -> nn.Module:
+    """The run's main model on the CPU, to be filled with its trained weights: built from its config on the
+    meta device and allocated, the vocabulary resized for ``model.special_tokens`` (to the rows the checkpoint
+    of DCP ``metadata`` stores, else to the run's tokenizer), LoRA adapters when the run had them,
+    non-persistent buffers (e.g. rotary frequencies) initialised."""
+    model = ModelHub.build(cfg.model.model_copy(update={"from_scratch": True}), meta=True)
+    if cfg.model.special_tokens:
+        stored = _stored_vocabulary(model, metadata) if metadata is not None else None
+        resize_embeddings(model, stored or vocabulary_size(cfg), mean_init=False)
+    model.to_empty(device="cpu")
+    if cfg.training.lora.enable:
+        from mm_core.lora import apply_lora
+
+        apply_lora(model, cfg.training.lora)
+    with torch.no_grad():
+        # weights are overwritten. PreTrainedModel and BaseModel (the only kinds ModelHub builds) both
+        # define init_weights
+        model.init_weights()  # type: ignore[operator]
+    return model
+
+
+def write_hf_folder(model: nn.Module, cfg: MMConfig, dst: Path, max_shard_size: str | int = "5GB") -> Path:
+    """Write a filled export model (:func:`save_hf_weights`) into ``dst``: a transformers model's
+    ``config.json`` names the transformers class it subclasses, and the tokenizer / processor files of the run
+    (:func:`_tokenizer_folder`) are copied beside the weights."""
     if not save_hf_weights(model, dst, max_shard_size):
         return dst
     config_path = dst / "config.json"

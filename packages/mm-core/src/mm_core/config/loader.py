@@ -200,6 +200,8 @@ def describe_error(exc: ValidationError, raw: dict[str, Any]) -> str:
             msg = msg[0].lower() + msg[1:]
             if msg not in msgs:
                 msgs.append(msg)
+    if isinstance(value, dict):  # a rule over several keys of a block: the message names them
+        return f"{key}: {' or '.join(msgs)}"
     return f"{key}: got {value!r}; {' or '.join(msgs)}"
 
 

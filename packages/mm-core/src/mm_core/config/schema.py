@@ -6,9 +6,17 @@ forbids unknown keys; the loader turns validation failures into one-line errors 
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Auto = Literal["auto"]
 DTypeName = Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"]
@@ -192,6 +200,10 @@ class ModelConfig(Block):
     recompute_plan: RecomputePlan = Field(default_factory=RecomputePlan)
     activation_offload: bool = False
     activation_offload_plan: ActivationOffloadPlan = Field(default_factory=ActivationOffloadPlan)
+    #: tokens added to the tokenizer as special tokens; when they grow the vocabulary, the input embeddings
+    #: and the output head (tied or not) are resized and the new rows take the mean of the existing ones
+    #: (see mm_core.models.special_tokens)
+    special_tokens: list[str] = Field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -223,7 +235,13 @@ class MuonConfig(Block):
 class TrainingConfig(Block):
     micro_batch_size: int = Field(1, ge=1)
     gradient_accumulation_steps: int | None = Field(1, ge=1)
-    train_iters: int = Field(..., ge=1)
+    #: the run's length in optimizer steps; or give ``train_epochs`` instead (exactly one of the two)
+    train_iters: int | None = Field(None, ge=1)
+    #: the run's length in passes over the training data: ``train_iters`` becomes
+    #: ``ceil(train_epochs x micro-batches per epoch / gradient_accumulation_steps)``, counted from the
+    #: dataset, the micro-batch size (or token budget) and the data-parallel size once the run starts (see
+    #: :func:`mm_core.data.epochs.iters_for_epochs`); fractions of an epoch are allowed
+    train_epochs: float | None = Field(None, gt=0)
     seed: int = 42
     lr: float = Field(1e-5, ge=0)
     lr_min: float = Field(0.0, ge=0)
@@ -247,6 +265,10 @@ class TrainingConfig(Block):
     save_interval: int = Field(1000, ge=1)
     save_async: bool = False
     save_total_limit: int | None = Field(None, ge=1)
+    #: every this many steps (and at the last step) also write a Hugging Face folder of the main model,
+    #: ``<save>/hf/step_<N>/`` (config, safetensors, tokenizer/processor files), loadable by plain
+    #: transformers; None: none (``mm convert dcp-to-hf`` exports any DCP checkpoint later)
+    save_hf_interval: int | None = Field(None, ge=1)
     no_save_optim: bool = False
     no_save_rng: bool = False
     log_interval: int = Field(1, ge=1)
@@ -254,6 +276,11 @@ class TrainingConfig(Block):
     plugin: list[str] = Field(default_factory=list)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     muon: MuonConfig = Field(default_factory=MuonConfig)
+    #: parameter or module path pattern -> learning-rate multiplier of the parameters it matches (every
+    #: optimizer group, Muon's and AdamW's alike; the schedule scales each group from its own base lr). The
+    #: first pattern in YAML order that matches a parameter wins; a pattern matching no trainable parameter,
+    #: or only parameters an earlier pattern took, is an error (see mm_core.optim.lr_scaling)
+    lr_scaling_plan: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     output_dir: str | None = None
     #: an existing output_dir holding another run's metrics.jsonl is refused unless this is true
     overwrite_output_dir: bool = False
@@ -269,10 +296,44 @@ class TrainingConfig(Block):
     #: the task's own settings, read and checked by the task (``standard`` takes none)
     task_param: dict[str, Any] = Field(default_factory=dict)
 
+    #: ``train_iters`` computed from ``train_epochs`` once the dataset is known (see :attr:`total_iters`)
+    _epoch_iters: int | None = PrivateAttr(None)
+
     @property
     def grad_accum(self) -> int:
         """Gradient accumulation steps (an empty value turns accumulation off)."""
         return self.gradient_accumulation_steps or 1
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> TrainingConfig:
+        if (self.train_iters is None) == (self.train_epochs is None):
+            got = (
+                f"both (train_iters {self.train_iters}, train_epochs {self.train_epochs})"
+                if self.train_iters is not None
+                else "neither"
+            )
+            raise ValueError(
+                f"give exactly one of training.train_iters (optimizer steps) and training.train_epochs "
+                f"(passes over the data), got {got}; set the other to null"
+            )
+        return self
+
+    @property
+    def total_iters(self) -> int:
+        """The run's optimizer steps: ``train_iters``, or the steps of ``train_epochs`` once
+        :meth:`set_epoch_iters` resolved them from the dataset."""
+        if self.train_iters is not None:
+            return self.train_iters
+        if self._epoch_iters is None:
+            raise RuntimeError(
+                "training.train_epochs is not resolved into steps yet (the trainer does so from the dataset)"
+            )
+        return self._epoch_iters
+
+    def set_epoch_iters(self, iters: int) -> None:
+        """The steps that ``train_epochs`` comes to (:func:`mm_core.data.epochs.iters_for_epochs`)."""
+        self._epoch_iters = iters
+
 
 
 # ------------------------------------------------------------------------------------------------ tools

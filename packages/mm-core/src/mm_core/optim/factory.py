@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mm_core.config.schema import TrainingConfig
+from mm_core.optim.lr_scaling import apply_lr_scaling, check_applied, resolve_lr_scaling
 from mm_core.registry import optimizer_register
 
 if TYPE_CHECKING:
@@ -73,12 +74,13 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_adamw(
     model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW with ``training.adam_*``; torch's fused kernel (cuda, npu and cpu; sharded DTensor parameters
-    included) when ``training.adam_fused``, else the multi-tensor (foreach) one."""
+    """AdamW with ``training.adam_*`` and ``training.lr_scaling_plan``; torch's fused kernel (cuda, npu
+    and cpu; sharded DTensor parameters included) when ``training.adam_fused``, else the multi-tensor
+    (foreach) one."""
     device_type = next(model.parameters()).device.type
     fused = cfg.adam_fused and device_type in ("cuda", "npu", "cpu")
     return torch.optim.AdamW(
-        decay_groups(model, cfg.weight_decay),
+        apply_lr_scaling(model, decay_groups(model, cfg.weight_decay), cfg),
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
@@ -91,6 +93,7 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -> B
     """Look up ``training.optimizer`` in the registry, build it and ask for its clipping policy."""
     plugin = optimizer_plugin(cfg.optimizer)
     optimizer = plugin.build(model, cfg, plan)
+    check_applied(optimizer, cfg)
     policy = plugin.clip_policy(optimizer, cfg) if plugin.clip_policy is not None else None
     return BuiltOptimizer(optimizer, policy)
 
@@ -99,6 +102,13 @@ def describe_optimizer(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan) -
     """The optimizer's own summary for ``mm check`` (its ``describe`` hook), without building it."""
     plugin = optimizer_plugin(cfg.optimizer)
     if plugin.describe is not None:
-        return plugin.describe(model, cfg, plan)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [f"{cfg.optimizer} over {len(trainable)} tensors ({sum(p.numel() for p in trainable):,} elements)"]
+        lines = plugin.describe(model, cfg, plan)
+    else:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        n = sum(p.numel() for p in trainable)
+        lines = [f"{cfg.optimizer} over {len(trainable)} tensors ({n:,} elements)"]
+    # the multipliers by pattern (training.lr_scaling_plan), checked as the worker checks them
+    if cfg.lr_scaling_plan:
+        lines.append("lr scaling  : training.lr_scaling_plan (first matching pattern wins)")
+        lines.extend(resolve_lr_scaling(model, cfg.lr_scaling_plan).describe(cfg.lr_scaling_plan))
+    return lines

@@ -3,7 +3,8 @@
 Muon groups use ``training.lr`` and ``training.weight_decay``; AdamW groups use ``training.muon.adamw_lr``
 (default ``training.lr``), ``training.adam_beta1/adam_beta2/adam_eps``, and ``training.weight_decay`` on
 their matrices (embeddings, head) but not on 1-D parameters, as ``training.optimizer: adamw`` does.
-The LR scheduler scales every group by the same factor, so each group keeps its own base lr.
+``training.lr_scaling_plan`` multiplies the base lr of the parameters it matches, in Muon and AdamW groups
+alike. The LR scheduler scales every group by the same factor, so each group keeps its own base lr.
 The registry entry :data:`build_muon` is an :class:`~mm_core.optim.factory.OptimizerPlugin`: its clipping
 policy (``training.muon.clip_muon_params: false`` scales only AdamW gradients), its ``mm check`` summary
 (the Muon/AdamW split) and its state size (one momentum buffer) are hooks, read by mm without its name.
@@ -23,6 +24,7 @@ from mm_core.config.schema import TrainingConfig
 from mm_core.errors import ConfigError
 from mm_core.models.plan import ModelPlan
 from mm_core.optim.factory import OptimizerPlugin, ParamFilter
+from mm_core.optim.lr_scaling import apply_lr_scaling
 from mm_core.parallel.apply import to_dtype
 from mm_parallel.grad import clip_grad_norm_
 from mm_parallel.optim import Muon, MuonParamPlan, classify_muon_params
@@ -115,7 +117,7 @@ def make_muon(model: nn.Module, cfg: TrainingConfig, plan: ModelPlan | None = No
             "check training.muon.exclude or use adamw"
         )
     return Muon(
-        muon_groups(split, cfg),
+        apply_lr_scaling(model, muon_groups(split, cfg), cfg),
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=m.momentum,

@@ -28,6 +28,8 @@ SCHEDULE_KEYS = (
     "lr_warmup_ratio",
     "lr_decay_style",
     "train_iters",
+    "train_epochs",
+    "lr_scaling_plan",
     "weight_decay",
     "adam_beta1",
     "adam_beta2",

@@ -13,7 +13,7 @@ from mm_core.config.schema import TrainingConfig
 
 def lr_factor(step: int, cfg: TrainingConfig) -> float:
     """Multiplier of the base lr for optimizer step ``step`` (0-based)."""
-    total = cfg.train_iters
+    total = cfg.total_iters
     warmup = math.ceil(cfg.lr_warmup_ratio * total)
     if step < warmup:
         return (step + 1) / warmup

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from mm_core.config.schema import LoraConfig, MMConfig, ModelConfig, ParallelConfig
+from mm_core.errors import ConfigError
 from mm_core.models.hub import ModelHub, has_weights
+from mm_core.models.special_tokens import resize_embeddings, vocabulary_size
 from mm_core.parallel.apply import (
     check_initialised,
     materialize_meta,
@@ -90,6 +92,17 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
     mcfg = settings.model
     meta = built_on_meta(ctx.cfg, settings)
     model = ModelHub.build(mcfg, meta=meta)
+    if settings.main and mcfg.special_tokens:
+        path = mcfg.model_name_or_path
+        if meta and ctx.load_path is None and not mcfg.from_scratch and path and has_weights(path):
+            raise ConfigError(
+                "model.special_tokens with training.init_model_with_meta_device: true and weights from "
+                f"model.model_name_or_path ({path}): the new embedding rows take the mean of the loaded "
+                "ones, which needs the whole model; set training.init_model_with_meta_device: auto or false"
+            )
+        note = resize_embeddings(model, vocabulary_size(ctx.cfg), mean_init=not meta)
+        if note:
+            ctx.build_log.append(note)
     plan = prepare_and_plan(model, ctx.cfg, settings, ctx.state.sizes)
     if not meta:
         model.to(ctx.device)

@@ -102,7 +102,7 @@ class StandardTask(Task):
         if not self._plan_shown:
             self._plan_shown = True
             self.ctx.info(plan.describe() + (", pregather on" if fsdp_plan.pregather else ""))
-        if fsdp_plan.pregather and step < self.ctx.cfg.training.train_iters:
+        if fsdp_plan.pregather and step < self.ctx.cfg.training.total_iters:
             plan.pregather()
 
     # ------------------------------------------------------------------------------------------ step

@@ -35,6 +35,7 @@ from mm_core.checkpoint.layout import read_latest
 from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset
+from mm_core.data.epochs import iters_for_epochs
 from mm_core.errors import TrainingInterrupted
 from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import to_dtype
@@ -49,8 +50,10 @@ from mm_core.tasks.base import (
     check_step_result,
     task_class,
 )
+from mm_core.models.special_tokens import prepare_tokenizer
 from mm_core.tools import StepTools
 from mm_core.train.flops import peak_tflops
+from mm_core.train.hf_save import hf_dir, save_hf_folder
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
 from mm_core.train.outputs import check_run_outputs
 from mm_core.train.precision import set_fp32_precision
@@ -100,15 +103,12 @@ class Trainer:
         # so a meta-built model must then be initialised rather than left waiting for weights
         self.load_path = resolve_load_path(tcfg.load, tcfg.save) if tcfg.load is not None else None
         check_run_outputs(cfg, self.out_dir, self.load_path)  # another run's outputs, dataset folders
-        self.progress = TrainProgress(world_size=self.state.sizes.world_size)
-        self.ctx = TaskContext(cfg, self.state, self.load_path, self.progress, self.stop)
-        self.task: Task = make_task(self.ctx)
-        self.parts: TaskParts = self.task.build()
-        self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
-        dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
-        float_dtype = None if dtype == torch.float32 else dtype
-        self._peak_tflops = peak_tflops(self.state.device, float_dtype, cfg.tools.peak_tflops)
-
+        self.setup_notes: list[str] = []
+        # model.special_tokens: the extended tokenizer, which the dataset then reads
+        tokens_note = prepare_tokenizer(cfg, self.out_dir)
+        if tokens_note:
+            self.setup_notes.append(tokens_note)
+        # the data before the models: training.train_epochs needs the dataset's size for the lr schedule
         dataset = build_dataset(cfg.data, tcfg.seed)
         collate = build_collator(cfg.data, dataset)
         self.loader = build_dataloader(
@@ -121,6 +121,19 @@ class Trainer:
             seed=tcfg.seed,
         )
         self.batches = EpochIterator(self.loader)
+        if tcfg.train_epochs is not None:
+            iters, note = iters_for_epochs(self.loader, tcfg.train_epochs, tcfg.grad_accum)
+            tcfg.set_epoch_iters(iters)
+            self.setup_notes.append(note)
+        seed_everything(tcfg.seed)  # the models start from the seed, whatever building the data drew
+        self.progress = TrainProgress(world_size=self.state.sizes.world_size)
+        self.ctx = TaskContext(cfg, self.state, self.load_path, self.progress, self.stop)
+        self.task: Task = make_task(self.ctx)
+        self.parts: TaskParts = self.task.build()
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.state.device)
+        dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
+        float_dtype = None if dtype == torch.float32 else dtype
+        self._peak_tflops = peak_tflops(self.state.device, float_dtype, cfg.tools.peak_tflops)
 
         parts = self.parts
         self.train_state = TrainingState(
@@ -152,6 +165,8 @@ class Trainer:
         for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
             self._info(line)
         self._info(precision_note)
+        for line in self.setup_notes:
+            self._info(line)
         if self.task.setup_note:
             self._info(self.task.setup_note)  # once set up: a run that fails to start prints only its error
         return self
@@ -255,7 +270,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
-        """Run until ``training.train_iters``; returns the logged records (on every rank).
+        """Run until ``training.train_iters`` (or the steps of ``train_epochs``); returns the logged
+        records (on every rank).
 
         SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) finish the current step, save a checkpoint when
         ``training.save`` is set and raise :class:`TrainingInterrupted`; ``training.load: auto`` resumes.
@@ -269,7 +285,7 @@ class Trainer:
         logger = MetricsLogger(
             self.out_dir,
             enabled=main,
-            total_steps=tcfg.train_iters,
+            total_steps=tcfg.total_iters,
             start_step=self.progress.step,
             tensorboard_dir=(Path(tb.log_dir) if tb.log_dir else self.out_dir / "tb") if tb.enable else None,
             progress_bar=tcfg.progress_bar,
@@ -278,9 +294,9 @@ class Trainer:
         tools = StepTools(cfg.tools, dist.get_rank(), self.state.device_type, self.out_dir)
         try:
             with self.stop.handling_signals():
-                while self.progress.step < tcfg.train_iters:
+                while self.progress.step < tcfg.total_iters:
                     step = self.progress.step + 1
-                    logged = step % tcfg.log_interval == 0 or step == tcfg.train_iters
+                    logged = step % tcfg.log_interval == 0 or step == tcfg.total_iters
                     tools.step_begin(step)
                     # no device synchronize: the step's own host sync waits for the previous step's update,
                     # so in a steady state this is the time per step
@@ -310,8 +326,11 @@ class Trainer:
                         self.saver.poll()
                     if result.stop:
                         self._stop_on_signal(step)
-                    if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.train_iters):
+                    if tcfg.save and (step % tcfg.save_interval == 0 or step == tcfg.total_iters):
                         self.save()
+                    hf_every = tcfg.save_hf_interval
+                    if hf_every is not None and (step % hf_every == 0 or step == tcfg.total_iters):
+                        self.save_hf()
                     self.task.after_step(step)
             if self.saver is not None:
                 self.saver.wait()
@@ -347,6 +366,15 @@ class Trainer:
         path = self.saver.save(self.progress.step, self.train_state, self.config_text())
         if not self.cfg.training.save_async:
             self._info(f"saved checkpoint {path}")
+        return path
+
+    def save_hf(self) -> Path:
+        """Write the Hugging Face folder of this step (``training.save_hf_interval``, see
+        :mod:`mm_core.train.hf_save`)."""
+        step = self.progress.step
+        self.task.before_save(step)  # no folder of non-finite weights
+        path = save_hf_folder(self.model, self.cfg, hf_dir(self.cfg, self.out_dir, step), self.state.device)
+        self._info(f"saved Hugging Face folder {path}")
         return path
 
     def close(self) -> None:
