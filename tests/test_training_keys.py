@@ -3,9 +3,9 @@
 processes, in one launch:
 
 - ``epochs``: from scratch on the meta device, ``train_epochs: 0.01`` (the steps the loader gives), two
-  special tokens (embedding and tied head grown to 4098 rows), a DCP checkpoint and a Hugging Face folder every
-  2 steps and at the last; the HF folders load with plain transformers, hold the checkpoint's weights and the
-  extended tokenizer;
+  special tokens (embedding and tied head grown to 4098 rows), a DCP checkpoint and a Hugging Face folder
+  every 2 steps and at the last; the HF folders load with plain transformers, hold the checkpoint's weights
+  and the extended tokenizer;
 - ``resume``: from its step 2 with the same epochs: the same steps and losses;
 - ``pretrained``: from a pretrained folder (built whole): the new rows take the mean of the loaded rows, and
   ``lr_scaling_plan: {model.embed_tokens: 0}`` keeps the embedding (tied head included) exactly as loaded
@@ -22,6 +22,7 @@ import pytest
 import torch
 from _launch import run_in_one_launch
 from _mm import QUICKSTART, REPO, mm, quickstart_text_data, read_metrics
+from _tiny import QWEN3
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -40,6 +41,7 @@ COMMON = [
     "training.lr_warmup_ratio=0",
 ]
 EPOCHS = 0.01
+_TINY_QWEN3 = {**QWEN3}
 
 
 def expected_iters() -> int:
@@ -165,3 +167,78 @@ def test_check_shows_the_lr_groups():
     bad = mm("check", str(QUICKSTART), "training.lr_scaling_plan={model.embed: 0.1}", check=False)
     assert bad.returncode == 2
     assert "training.lr_scaling_plan: pattern 'model.embed' matches no trainable parameter" in bad.stderr
+
+
+# ------------------------------------------------------------------------------- special tokens, in process
+def _cfg(tmp_path, **model):
+    from mm_core.config import validate_config
+
+    raw = {
+        "data": quickstart_text_data(64),
+        "model": {"model_id": "qwen3", "special_tokens": ["<a>", "<b>", "<c>"], **model},
+        "training": {"train_iters": 1, "output_dir": str(tmp_path / "out")},
+    }
+    return validate_config(raw)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_resize_rows_take_the_mean_tied_or_not(tie):
+    from mm_core.models.special_tokens import resize_embeddings
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**_TINY_QWEN3, "tie_word_embeddings": tie}))
+    emb, head = model.get_input_embeddings().weight.detach().clone(), model.lm_head.weight.detach().clone()
+    note = resize_embeddings(model, 131, mean_init=True)
+    assert note == (
+        f"model.special_tokens: input embedding and {'tied ' if tie else ''}output head resized from 128 to "
+        "131 rows (new rows: the mean of the existing rows)"
+    )
+    new_emb, new_head = model.get_input_embeddings().weight, model.lm_head.weight
+    assert new_emb.shape == new_head.shape == (131, 32) and model.config.vocab_size == 131
+    assert (new_emb.data_ptr() == new_head.data_ptr()) is tie
+    for old, new in ((emb, new_emb), (head, new_head)):
+        torch.testing.assert_close(new[:128], old, rtol=0, atol=0)
+        for row in new[128:]:
+            torch.testing.assert_close(row, old.mean(0), rtol=0, atol=1e-3 * old.std(0).max().item())
+    assert resize_embeddings(model, 130, mean_init=True) is None  # never shrinks
+
+
+def test_prepare_tokenizer_writes_the_run_tokenizer(tmp_path):
+    from mm_core.models.special_tokens import prepare_tokenizer, vocabulary_size
+
+    cfg = _cfg(tmp_path)
+    assert vocabulary_size(cfg) == 4099
+    note = prepare_tokenizer(cfg, tmp_path / "out")
+    dst = (tmp_path / "out" / "tokenizer").resolve()
+    assert cfg.data.dataset_param.preprocess_parameters["model_name_or_path"] == str(dst)
+    assert note.startswith("model.special_tokens: 3 tokens added to the tokenizer of ")
+    assert note.endswith(
+        f"(4099 tokens now), saved to {dst} (data.dataset_param.preprocess_parameters.model_name_or_path)"
+    )
+    tok = AutoTokenizer.from_pretrained(dst)
+    assert tok.convert_tokens_to_ids(["<a>", "<b>", "<c>"]) == [4096, 4097, 4098]
+    assert tok.decode(tok.encode("x<b>y"), skip_special_tokens=True) == "xy"  # special: dropped on decode
+    source = QUICKSTART.parent / "tokenizer"
+    assert {p.name for p in source.iterdir()} <= {p.name for p in dst.iterdir()}
+    assert prepare_tokenizer(cfg, tmp_path / "out") == note.replace(
+        f"tokenizer of {source}", f"tokenizer of {dst}"
+    )
+
+
+def test_meta_init_and_special_tokens(tmp_path):
+    from mm_core.errors import ConfigError
+    from mm_core.parallel.apply import meta_init
+
+    folder = tmp_path / "weights"
+    Qwen3ForCausalLM(Qwen3Config(**{**_TINY_QWEN3, "vocab_size": 4096})).save_pretrained(folder)
+    pretrained = _cfg(tmp_path, model_name_or_path=str(folder))
+    meta, why = meta_init("auto", pretrained.model, None)
+    assert not meta and "model.special_tokens: new embedding rows take the mean of the loaded ones" in why
+    scratch = _cfg(tmp_path, model_name_or_path=str(folder), from_scratch=True)
+    assert meta_init("auto", scratch.model, None)[0]
+    with pytest.raises(ConfigError, match="names no tokenizer folder|is not a local folder"):
+        from mm_core.models.special_tokens import vocabulary_size
+
+        bad = _cfg(tmp_path)
+        bad.data.dataset_param.preprocess_parameters = {"model_name_or_path": str(tmp_path / "nowhere")}
+        vocabulary_size(bad)
