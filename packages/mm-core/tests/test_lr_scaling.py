@@ -15,7 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from mm_core.config.schema import TrainingConfig
 from mm_core.errors import ConfigError
 from mm_core.optim import build_adamw, build_scheduler, lr_factor
-from mm_core.optim.lr_scaling import check_applied, clean_path, resolve_lr_scaling
+from mm_core.optim.lr_scaling import check_applied, clean_path, resolve_lr_scaling, unscaled_lr
 from mm_core.optim.muon import make_muon
 
 PLAN = {"model.embed_tokens": 0.0, "model.layers.0": 0.25, "model.layers.{*}.mlp.*.weight": 3.0}
@@ -101,6 +101,8 @@ def test_schedule_keeps_each_groups_ratio() -> None:
     for step in range(6):
         for g in optimizer.param_groups:
             assert g["lr"] == pytest.approx(cfg.lr * g["lr_scale"] * lr_factor(step, cfg)), step
+        assert optimizer.param_groups[0]["lr_scale"] == 0.0  # the embedding comes first
+        assert unscaled_lr(optimizer) == pytest.approx(cfg.lr * lr_factor(step, cfg))  # what is logged
         optimizer.step()
         scheduler.step()
 

@@ -162,3 +162,14 @@ def check_applied(optimizer: Any, cfg: TrainingConfig) -> None:
             "does not call mm_core.optim.lr_scaling.apply_lr_scaling on its param groups); remove the key "
             "or use adamw or muon"
         )
+
+
+def unscaled_lr(optimizer: Any) -> float:
+    """The rate of the step without multipliers (``training.lr`` times the schedule, the Muon groups' for
+    Muon): the first group's ``lr`` over its ``lr_scale``, from the first group whose multiplier is not 0
+    (the ``lr`` that metrics.jsonl logs)."""
+    for group in optimizer.param_groups:
+        scale = float(group.get("lr_scale", 1.0))
+        if scale != 0:
+            return float(group["lr"]) / scale
+    return float(optimizer.param_groups[0]["lr"])

@@ -25,6 +25,7 @@ from mm_core.errors import ConfigError, DataError
 from mm_core.models.output import output_field
 from mm_core.models.plan import plan_of
 from mm_core.optim import build_optimizer, build_scheduler
+from mm_core.optim.lr_scaling import unscaled_lr
 from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
@@ -306,7 +307,7 @@ class StandardTask(Task):
         values = read_on_host(stats)  # the step's one host sync
         step_loss = values["loss_sum"] / (ws if raw else max(values["units"], 1.0))
         gnorm = values["grad_norm"]
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = unscaled_lr(self.optimizer)  # the rate of this step's update (training.lr_scaling_plan aside)
         metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(values["tokens"])}
         if aux:  # mixture-of-experts: the mean over micro-batches of the global router loss
             metrics["aux_loss"] = values["aux_loss"]
