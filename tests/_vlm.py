@@ -23,10 +23,18 @@ from mm_data_vlm.processor_build import build_qwen_vl_processor
 SIZES = [(56, 56), (84, 56), (56, 112)]
 
 
-def make_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
-    """Write data, processor and model config under ``root``; returns the YAML path."""
+#: (frames, height, width, frames a second) of the videos of :func:`make_assets` with ``videos=True``
+VIDEO_SHAPES = [(8, 56, 56, 4.0), (6, 56, 84, 6.0), (5, 28, 56, 2.0)]
+
+
+def make_assets(root: Path, n: int = 32, seed: int = 0, videos: bool = False) -> Path:
+    """Write data, processor and model config under ``root``; returns the YAML path. With ``videos``, record
+    ``i`` also holds ``[0, 1, 1, 1][i % 4]`` short H.264 clips of :data:`VIDEO_SHAPES` (so micro-batches
+    mix samples with images, videos, both and neither) and the processor reads videos."""
     from PIL import Image
     from transformers import AutoTokenizer, Qwen3VLConfig
+
+    from mm_data_vlm.videos import write_video
 
     rng = random.Random(seed)
     (root / "data" / "img").mkdir(parents=True, exist_ok=True)
@@ -40,18 +48,25 @@ def make_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
             Image.fromarray(arr).save(root / "data" / "img" / f"{i}_{j}.png")
             names.append(f"img/{i}_{j}.png")
         q = "<image>" * k + f"What is shown in picture {i}?"
-        records.append(
-            {
-                "messages": [
-                    {"role": "user", "content": q},
-                    {"role": "assistant", "content": f"label {rng.randint(0, 9)}"},
-                ],
-                "images": names,
-            }
-        )
+        record = {
+            "messages": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": f"label {rng.randint(0, 9)}"},
+            ],
+            "images": names,
+        }
+        if videos and i % 4:
+            t, h, w, fps = VIDEO_SHAPES[i % len(VIDEO_SHAPES)]
+            frames = np.random.default_rng(1000 + i).integers(0, 255, (t, h, w, 3), dtype=np.uint8)
+            write_video(root / "data" / "img" / f"{i}.mp4", frames, fps)
+            record["videos"] = [f"img/{i}.mp4"]
+            record["messages"][0]["content"] = "<video>" + q
+        records.append(record)
     (root / "data" / "train.json").write_text(json.dumps(records))
     texts = [r["messages"][0]["content"] + r["messages"][1]["content"] for r in records] * 5
-    proc = build_qwen_vl_processor(texts, root / "processor", vocab_size=300, max_pixels=56 * 112)
+    proc = build_qwen_vl_processor(
+        texts, root / "processor", vocab_size=300, max_pixels=56 * 112, videos={} if videos else None
+    )
     tok = AutoTokenizer.from_pretrained(proc)
     ids = {
         t: tok.convert_tokens_to_ids(t)

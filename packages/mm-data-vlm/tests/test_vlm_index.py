@@ -227,7 +227,7 @@ def test_construction_maps_the_index_without_parsing_records(
 
     monkeypatch.setattr(sft_module, "build_index", never)
     monkeypatch.setattr(sft_module, "parse_record", never)
-    monkeypatch.setattr(sft_module, "read_record", never)
+    monkeypatch.setattr(sft_module, "read_media", never)
     start = time.perf_counter()
     again = VLMSFTDataset(basic, pre, SimpleNamespace(on_error="raise"))
     reopen_s = time.perf_counter() - start

@@ -21,7 +21,9 @@ order; blank lines are not records):
 
 A record's tokens are counted without decoding a pixel: each image's size is read from its header as
 :func:`~mm_data_vlm.images.load_image` will hand it to the processor
-(:func:`~mm_data_vlm.images.loaded_size`), and the conversation is encoded with those sizes through
+(:func:`~mm_data_vlm.images.loaded_size`), each video's frame count, frame rate and size from its
+container header (:func:`~mm_data_vlm.videos.probe_video`; a missing video is ``MISSING_IMAGE``, a video
+refused from its header ``REFUSED``), and the conversation is encoded with those sizes through
 :meth:`~mm_data_vlm.encode.VisionProcessor.encode_sizes`, the path training takes (the family's image format
 turns a size into placeholder tokens by the image processor's own resize rule).
 Images are not stamped in the cache manifest (there can be millions): training reads them again and checks
@@ -51,9 +53,10 @@ import numpy as np
 from mm_core.data.cache import parallel_map
 from mm_core.data.params import BASIC
 
-from .encode import EncodeError, VisionProcessor
+from .encode import EncodeError, VideoOptions, VisionProcessor
 from .images import loaded_size
-from .records import RecordError, parse_record, read_json_list, read_record
+from .records import RecordError, parse_record, read_json_list, read_media
+from .videos import probe_video
 
 #: bumped whenever the files above change meaning, so an old index is never misread
 INDEX_FORMAT = 1
@@ -74,7 +77,10 @@ class IndexSettings:
     min_pixels: int | None
     max_pixels: int | None
     max_source_pixels: int | None
-    dataset_dir: str | None  # image paths are relative to it
+    dataset_dir: str | None  # image and video paths are relative to it
+    video: VideoOptions = VideoOptions()
+    video_max_source_frames: int | None = None
+    video_max_source_pixels: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,37 +93,46 @@ class Unit:
     hi: int
 
 
-def missing_image(image: Path) -> str:
+def missing_image(image: Path, kind: str = "image") -> str:
     return (
-        f"image {image} does not exist (paths are relative to {BASIC}.dataset_dir; "
+        f"{kind} {image} does not exist (paths are relative to {BASIC}.dataset_dir; "
         "data.dataset_param.on_error: skip skips such records)"
     )
 
 
-_PROCESSORS: dict[tuple[str, int | None, int | None], VisionProcessor] = {}
+_PROCESSORS: dict[tuple[str, int | None, int | None, VideoOptions], VisionProcessor] = {}
 
 
 def processor_for(settings: IndexSettings, loaded: VisionProcessor | None = None) -> VisionProcessor:
     """The processor of ``settings``, loaded once per process (``loaded``: one already loaded here)."""
-    key = (settings.processor, settings.min_pixels, settings.max_pixels)
+    key = (settings.processor, settings.min_pixels, settings.max_pixels, settings.video)
     if loaded is not None:
         _PROCESSORS[key] = loaded
     if key not in _PROCESSORS:
-        _PROCESSORS[key] = VisionProcessor.load(*key, "data.dataset_param.preprocess_parameters")
+        _PROCESSORS[key] = VisionProcessor.load(
+            settings.processor,
+            settings.min_pixels,
+            settings.max_pixels,
+            "data.dataset_param.preprocess_parameters",
+            settings.video,
+        )
     return _PROCESSORS[key]
 
 
 def count_record(text: str, settings: IndexSettings, processor: VisionProcessor) -> tuple[int, int, str]:
-    """``(status, tokens, problem)`` of one record's JSON text; no image is decoded."""
+    """``(status, tokens, problem)`` of one record's JSON text; no image or video is decoded."""
     from PIL import Image
 
     try:
-        messages, images = read_record(parse_record(text), settings.dataset_dir)
+        messages, images, videos = read_media(parse_record(text), settings.dataset_dir)
     except RecordError as e:
         return INVALID, 0, str(e)
     for image in images:
         if not image.is_file():
             return MISSING_IMAGE, 0, missing_image(image)
+    for video in videos:
+        if not video.is_file():
+            return MISSING_IMAGE, 0, missing_image(video, "video")
     try:
         sizes = []
         for image in images:
@@ -129,7 +144,15 @@ def count_record(text: str, settings: IndexSettings, processor: VisionProcessor)
                     image, max_source_pixels=settings.max_source_pixels, target_pixels=processor.target_pixels
                 )
             sizes.append(size)
-        ids, _ = processor.encode_sizes(messages, sizes)
+        headers = [
+            probe_video(
+                video,
+                max_source_frames=settings.video_max_source_frames,
+                max_source_pixels=settings.video_max_source_pixels,
+            )
+            for video in videos
+        ]
+        ids, _ = processor.encode_sizes(messages, sizes, processor.video_plans(headers))
     except (OSError, EncodeError) as e:
         return REFUSED, 0, str(e)
     return OK, len(ids), ""

@@ -61,9 +61,11 @@ def build_qwen_vl_processor(
     temporal_patch_size: int = 2,
     min_pixels: int = 56 * 56,
     max_pixels: int = 56 * 56,
+    videos: Mapping[str, Any] | None = None,
 ) -> Path:
     """:func:`build_vl_processor` for Qwen-VL: Qwen's vision tokens and a ``Qwen2VLImageProcessorPil``
-    configuration."""
+    configuration; with ``videos`` (values over :func:`qwen3_vl_video_config`'s, ``{}`` for its defaults) also
+    a ``video_preprocessor_config.json`` of ``Qwen3VLVideoProcessor``, so the folder reads videos."""
     image_config = {
         "image_processor_type": "Qwen2VLImageProcessorPil",
         "processor_class": "Qwen3VLProcessor",
@@ -79,4 +81,45 @@ def build_qwen_vl_processor(
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
     tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-    return build_vl_processor(texts, out_dir, image_config, tokens, vocab_size=vocab_size)
+    out = build_vl_processor(texts, out_dir, image_config, tokens, vocab_size=vocab_size)
+    if videos is not None:
+        config = qwen3_vl_video_config(
+            patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size
+        )
+        config.update(videos)
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        (out / "video_preprocessor_config.json").write_text(text)
+    return out
+
+
+def qwen3_vl_video_config(
+    *,
+    patch_size: int = 14,
+    merge_size: int = 2,
+    temporal_patch_size: int = 2,
+    fps: float = 2.0,
+    min_frames: int = 4,
+    max_frames: int = 16,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 56 * 56 * 16,
+) -> dict[str, Any]:
+    """A ``Qwen3VLVideoProcessor`` configuration (``video_preprocessor_config.json``) for small clips:
+    ``min_pixels`` / ``max_pixels`` are the fewest / most pixels of a whole clip (all sampled frames)."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "do_sample_frames": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "temporal_patch_size": temporal_patch_size,
+        "fps": fps,
+        "min_frames": min_frames,
+        "max_frames": max_frames,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }

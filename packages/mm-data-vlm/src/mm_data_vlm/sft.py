@@ -1,4 +1,4 @@
-"""``vlm_sft``: conversations with images (LLaMA-Factory / ShareGPT style JSON or JSONL), Qwen-VL style."""
+"""``vlm_sft``: conversations with images and videos (LLaMA-Factory / ShareGPT style JSON or JSONL)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from mm_core.data.cache import CacheOptions, cache_fields, tokenizer_fingerprint
 from mm_core.data.params import (
     BASIC,
     PREPROCESS,
+    Field,
     check_weights,
     optional_positive_int,
     optional_string,
@@ -30,7 +31,7 @@ from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
 
 from . import __version__
-from .encode import EncodeError, VisionProcessor
+from .encode import EncodeError, VideoOptions, VisionProcessor
 from .images import DEFAULT_MAX_SOURCE_PIXELS, load_image
 from .index import (
     INDEX_FORMAT,
@@ -42,7 +43,9 @@ from .index import (
     build_index,
     missing_image,
 )
-from .records import RecordError, iter_records, parse_record, read_record, resolve_files
+from .records import RecordError, iter_records, parse_record, read_media, resolve_files
+from .videos import DEFAULT_MAX_SOURCE_FRAMES, load_frames, probe_video
+from .videos import DEFAULT_MAX_SOURCE_PIXELS as DEFAULT_VIDEO_SOURCE_PIXELS
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +62,25 @@ PREPROCESS_FIELDS = {
     "image_min_pixels": optional_positive_int(None),
     # an image with more pixels (read from its header) is refused before decoding; null: no limit of mm's own
     "image_max_source_pixels": optional_positive_int(DEFAULT_MAX_SOURCE_PIXELS),
+    # videos (Qwen3-VL / Qwen3.5, from the folder's video_preprocessor_config.json); null: the folder's own
+    "video_fps": Field(
+        "a positive number or null",
+        lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+        None,
+    ),
+    "video_max_frames": optional_positive_int(None),
+    "video_min_pixels": optional_positive_int(None),  # pixels of a whole clip, all sampled frames together
+    "video_max_pixels": optional_positive_int(None),
+    # a video whose header says more frames, or more pixels a frame, is refused before decoding
+    "video_max_source_frames": optional_positive_int(DEFAULT_MAX_SOURCE_FRAMES),
+    "video_max_source_pixels": optional_positive_int(DEFAULT_VIDEO_SOURCE_PIXELS),
 }
 PREPARE_AGAIN = f"prepare again (`mm data prepare CONFIG --overwrite`, or {BASIC}.overwrite_cache: true)"
 
 
 class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
-    """Image–text SFT samples for Qwen-VL models, from a record index prepared once (``mm_data_vlm.index``).
+    """Image/video–text SFT samples for vision-language models, from a record index prepared once
+    (``mm_data_vlm.index``).
 
     Construction maps the index (every rank of a node shares one preparation, done under a lock the first
     time); a sample is read, parsed and encoded when it is fetched, its images decoded then (in DataLoader
@@ -75,13 +91,23 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
     ``data.dataset_param.on_error: skip`` it is replaced by the next good record and counted in the sample's
     ``skipped_samples`` (the trainer logs the running total as ``skipped_samples`` in metrics.jsonl):
 
-    - invalid structure (not JSON, no conversation, ...) or a missing image: raised when the dataset is built
-      (``on_error: raise``), else skipped;
-    - an image refused from its header (unreadable, over ``image_max_source_pixels``), a conversation that
-      does not encode, or more than ``cutoff_len`` tokens (decided from the prepared count, so no image is
-      decoded for it): raised or skipped when the sample is fetched;
-    - an image that fails to decode, or a sample whose tokens differ from the prepared count (an image
-      changed since preparation): likewise, when the sample is fetched.
+    - invalid structure (not JSON, no conversation, ...) or a missing image or video: raised when the dataset
+      is built (``on_error: raise``), else skipped;
+    - an image refused from its header (unreadable, over ``image_max_source_pixels``), a video refused from
+      its container header (unreadable, no video stream, over ``video_max_source_frames`` frames or
+      ``video_max_source_pixels`` pixels a frame), a conversation that does not encode, or more than
+      ``cutoff_len`` tokens (decided from the prepared count, so nothing is decoded for it): raised or skipped
+      when the sample is fetched;
+    - an image or video that fails to decode (a video whose stream ends before its header's frame count), or
+      a sample whose tokens differ from the prepared count (a file changed since preparation): likewise, when
+      the sample is fetched.
+
+    Videos (``<video>`` placeholders, ``videos`` paths) are read for the Qwen3-VL family (Qwen3-VL,
+    Qwen3-VL-MoE, Qwen3.5) when the processor folder has a ``video_preprocessor_config.json``: frames sampled
+    at ``video_fps`` (default: the folder's ``fps``), at most ``video_max_frames``, resized within
+    ``video_min_pixels`` .. ``video_max_pixels`` pixels for the whole clip
+    (:mod:`mm_data_vlm.qwen_vl_videos`).
+    A sample with videos carries ``pixel_values_videos`` and ``video_grid_thw``.
     """
 
     #: the parameter keys mm reads (run outputs kept out of the sources, tokenizer files in an export)
@@ -108,6 +134,9 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             max_pixels=pre["image_max_pixels"],
             max_source_pixels=self.max_source_pixels,
             dataset_dir=self.dataset_dir,
+            video=self.video_options,
+            video_max_source_frames=self.video_limits[0],
+            video_max_source_pixels=self.video_limits[1],
         )
         spec = {
             "index_format": INDEX_FORMAT,
@@ -117,6 +146,14 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             "image_min_pixels": settings.min_pixels,
             "image_max_pixels": settings.max_pixels,
             "image_max_source_pixels": settings.max_source_pixels,
+            "video": [
+                settings.video.fps,
+                settings.video.max_frames,
+                settings.video.min_pixels,
+                settings.video.max_pixels,
+                settings.video_max_source_frames,
+                settings.video_max_source_pixels,
+            ],
             "dataset_dir": str(Path(self.dataset_dir or ".").resolve()),
         }
 
@@ -162,8 +199,22 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         self.dataset_dir: str | None = basic["dataset_dir"]
         self.on_error: str = getattr(dataset_param, "on_error", "raise")
         self.max_source_pixels: int | None = pre["image_max_source_pixels"]
+        self.video_options = VideoOptions(
+            fps=None if pre["video_fps"] is None else float(pre["video_fps"]),
+            max_frames=pre["video_max_frames"],
+            min_pixels=pre["video_min_pixels"],
+            max_pixels=pre["video_max_pixels"],
+        )
+        self.video_limits: tuple[int | None, int | None] = (
+            pre["video_max_source_frames"],
+            pre["video_max_source_pixels"],
+        )
         self.processor = VisionProcessor.load(
-            pre["model_name_or_path"], pre["image_min_pixels"], pre["image_max_pixels"], PREPROCESS
+            pre["model_name_or_path"],
+            pre["image_min_pixels"],
+            pre["image_max_pixels"],
+            PREPROCESS,
+            self.video_options,
         )
         tok = self.processor.tokenizer
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
@@ -196,26 +247,28 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         the dataset and reading that sample would (with ``on_error: skip`` a bad first sample is reported)."""
         self = cls.__new__(cls)
         self._configure(basic_param, preprocess_param, dataset_param, 0)
-        first: tuple[str, list[dict[str, str]], list[Path]] | None = None
+        first: tuple[str, list[dict[str, str]], list[Path], list[Path]] | None = None
         for path in self.files:
             for where, obj in iter_records(path):
                 try:
-                    messages, images = read_record(obj, self.dataset_dir)
+                    messages, images, videos = read_media(obj, self.dataset_dir)
                 except RecordError as e:
                     raise DataError(f"{where}: {e}") from None
                 if self.on_error == "raise":
-                    for image in images:
-                        if not image.is_file():
-                            raise DataError(f"{where}: {missing_image(image)}")
-                first = first or (where, messages, images)
+                    for kind, media in (("image", images), ("video", videos)):
+                        for item in media:
+                            if not item.is_file():
+                                raise DataError(f"{where}: {missing_image(item, kind)}")
+                first = first or (where, messages, images, videos)
                 break
         if first is None:
             raise DataError(f"{', '.join(str(p) for p in self.files)}: no record in any file")
         try:
-            sample = self._sample(*first, prepared=None)
+            sample = self._sample(first[0], first[1], first[2], None, first[3])
             line = (
                 f"first record: {len(sample['input_ids']):,} tokens, "
-                f"{len(first[2]):,} image(s) (cutoff_len {self.cutoff_len})"
+                f"{len(first[2]):,} image(s){f', {len(first[3]):,} video(s)' if first[3] else ''} "
+                f"(cutoff_len {self.cutoff_len})"
             )
         except DataError as e:
             if self.on_error != "skip":
@@ -227,7 +280,8 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         return [
             f"{len(self.files)} file(s), {size / 2**20:.1f} MiB ({self.files[0]}{more}); processor "
             f"{self.processor.tokenizer.name_or_path}: {self.processor.format.describe()}, "
-            f"sources over {limit} refused",
+            f"sources over {limit} refused; "
+            + (self.processor.videos.describe() if self.processor.videos else self.processor.no_videos),
             line,
         ]
 
@@ -263,10 +317,16 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
         )
 
     def _sample(
-        self, where: str, messages: Sequence[dict[str, str]], images: Sequence[Path], prepared: int | None
+        self,
+        where: str,
+        messages: Sequence[dict[str, str]],
+        images: Sequence[Path],
+        prepared: int | None,
+        videos: Sequence[Path] = (),
     ) -> dict[str, Any]:
-        """Decode the images and encode the conversation; the tokens must be ``prepared`` when given, else
-        within ``cutoff_len``. Raises DataError naming ``where``."""
+        """Decode the images and videos and encode the conversation; the tokens must be ``prepared`` when
+        given, else within ``cutoff_len``. Raises DataError naming ``where``."""
+        frames, video_rows = 0, 0
         try:
             target = self.processor.target_pixels
             loaded = [
@@ -274,7 +334,20 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             ]
             sizes = [im.size for im in loaded]
             pixels = self.processor.images(loaded) if images else {}
-            ids, labels = self.processor.encode_sizes(messages, sizes)
+            max_frames, max_pixels = self.video_limits
+            headers = [
+                probe_video(p, max_source_frames=max_frames, max_source_pixels=max_pixels) for p in videos
+            ]
+            plans = self.processor.video_plans(headers)
+            if videos and self.processor.videos is not None:
+                clips = [
+                    (load_frames(p, h, plan.indices), plan) for p, h, plan in zip(videos, headers, plans)
+                ]
+                frames = sum(len(plan.indices) for plan in plans)
+                video_pixels = self.processor.videos.pixels(clips)
+                video_rows = self.processor.videos.feature_rows(video_pixels)
+                pixels = {**pixels, **video_pixels}
+            ids, labels = self.processor.encode_sizes(messages, sizes, plans)
         except (OSError, EncodeError) as e:
             raise DataError(f"{where}: {e}") from None
         rows = self.processor.format.feature_rows(pixels) if images else 0
@@ -284,20 +357,29 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
                 f"{rows} rows for images of sizes {sizes} (the {self.processor.format.name} format of "
                 "mm-data-vlm)"
             )
+        if self.processor.video_token_count(ids) != video_rows:  # a defect of mm's video path, never data
+            raise DataError(
+                f"{where}: {self.processor.video_token_count(ids)} video tokens but the vision tower gets "
+                f"{video_rows} rows for {len(videos)} video(s) of {frames} sampled frames"
+            )
         if prepared is not None and len(ids) != prepared:
+            media = f", its videos {', '.join(str(p) for p in videos)}" if videos else ""
             raise DataError(
                 f"{where}: {len(ids)} tokens now but {prepared} when it was prepared (into "
-                f"{self.prepared.path}): an image changed since preparation (its images "
-                f"{', '.join(str(p) for p in images) or 'none'} now reach the processor at sizes {sizes}; "
-                "images are read at training time and only checked against the prepared length); "
-                + PREPARE_AGAIN
+                f"{self.prepared.path}): an image{' or video' if videos else ''} changed since preparation "
+                f"(its images {', '.join(str(p) for p in images) or 'none'} now reach the processor at sizes "
+                f"{sizes}{media}; images and videos are read at training time and only checked against the "
+                "prepared length); " + PREPARE_AGAIN
             )
         if prepared is None and len(ids) > self.cutoff_len:
             raise DataError(self._too_long(where, len(ids)))
         input_ids = torch.tensor(ids, dtype=torch.long)
         sample: dict[str, Any] = {"input_ids": input_ids, "labels": torch.tensor(labels, dtype=torch.long)}
-        if self.processor.format.token_type_ids:
-            sample["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+        if self.processor.format.token_type_ids:  # 1 at image tokens, 2 at video tokens (transformers' rule)
+            types = (input_ids == self.image_token_id).long()
+            if self.processor.video_token_id is not None:
+                types = types + 2 * (input_ids == self.processor.video_token_id).long()
+            sample["mm_token_type_ids"] = types
         sample.update(pixels)
         return sample
 
@@ -308,10 +390,11 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
             raise DataError(self._problem(index))
         where = self.index.where(index)
         try:
-            messages, images = read_record(parse_record(self.index.text(index)), self.dataset_dir)
+            messages, images, videos = read_media(parse_record(self.index.text(index)), self.dataset_dir)
         except RecordError as e:  # the file changed under a running job
             raise DataError(f"{where}: {e} (the file changed since preparation?)") from None
-        sample = self._sample(where, messages, images, prepared=int(self.index.column("tokens")[index]))
+        prepared = int(self.index.column("tokens")[index])
+        sample = self._sample(where, messages, images, prepared, videos)
         sample["sample_id"] = index
         return sample
 

@@ -1,7 +1,9 @@
-"""Shared by the Qwen vision-language models in mm: per-tower default plan, the idle-vision-tower rule."""
+"""Shared by the Qwen vision-language models in mm: per-tower default plan, the idle-vision-tower rule, and
+one vision-tower pass per forward when a micro-batch holds videos (with or without images)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import torch
@@ -41,9 +43,103 @@ class QwenVLPlans:
         """0 × the vision tower's outputs on a blank minimal image (see :mod:`._idle`)."""
         return idle_vision_tower(self.model.visual)  # type: ignore[attr-defined]
 
-    def forward(self, *args: Any, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        *args: Any,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if "cu_seq_lens_q" in kwargs:  # a packed row (data.dataloader_param.packing)
+            kwargs = self._packed_positions(kwargs)
         idle = None
-        if self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
+        if pixel_values_videos is not None:
+            # one vision-tower pass for the images and the videos together, so a rank with both runs the
+            # tower's FSDP units as often as a rank with either (or with neither: the idle tower below)
+            kwargs["mm_encoder_outputs"] = self._vision_features(
+                pixel_values, kwargs.get("image_grid_thw"), pixel_values_videos, kwargs.get("video_grid_thw")
+            )
+            pixel_values = None
+        elif self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
             idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
         out = super().forward(*args, pixel_values=pixel_values, **kwargs)  # type: ignore[misc]
         return add_idle(out, idle)
+
+    def _packed_positions(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A packed row's ``position_ids`` [4, 1, T]: row 0 the text positions restarting per sample (which
+        transformers' masks read to keep attention inside each sample), rows 1-3 the model's own
+        ``get_rope_index`` run on each sample separately (the 3-D positions of the unpacked run). The document
+        kwargs (``cu_seq_lens_*``, ``max_length_*``) are taken out: the vision tower would read them as its
+        own with flash attention, and the language model finds the same documents from row 0."""
+        model: Any = self.model  # type: ignore[attr-defined]
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+        if "linear_attention" in layer_types:
+            raise ValueError(
+                "data.dataloader_param.packing: the linear-attention (Gated DeltaNet) layers of "
+                f"{type(self).__name__} carry their state across the samples of a packed row; set packing: "
+                "false for this model"
+            )
+        cu = kwargs.pop("cu_seq_lens_q")
+        for key in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+            kwargs.pop(key, None)
+        input_ids, text = kwargs["input_ids"], kwargs.get("position_ids")
+        if input_ids.shape[0] != 1 or text is None or text.dim() != 2:
+            raise ValueError("a packed batch holds one row of input_ids [1, T] with position_ids [1, T]")
+        types = kwargs.get("mm_token_type_ids")
+        if types is None:
+            if kwargs.get("image_grid_thw") is not None or kwargs.get("video_grid_thw") is not None:
+                raise ValueError("a packed batch with images or videos needs mm_token_type_ids")
+            types = torch.zeros_like(input_ids)
+        bounds = cu.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        ids = input_ids.new_zeros(len(lengths), max(lengths))
+        each_types = types.new_zeros(ids.shape)
+        mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        for i, (start, n) in enumerate(zip(bounds[:-1], lengths)):
+            ids[i, :n] = input_ids[0, start : start + n]
+            each_types[i, :n] = types[0, start : start + n]
+            mask[i, :n] = True
+        rope, _ = model.get_rope_index(
+            ids,
+            mm_token_type_ids=each_types,
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs.get("video_grid_thw"),
+            attention_mask=mask,
+        )
+        rope = rope[:, mask].unsqueeze(1)  # the samples' positions in row order: [3, 1, T]
+        kwargs["position_ids"] = torch.cat([text.unsqueeze(0).to(rope), rope])
+        return kwargs
+
+    def _vision_features(
+        self,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor,
+        video_grid_thw: torch.Tensor | None,
+    ) -> dict[str, Any]:
+        """transformers' ``mm_encoder_outputs`` (``"image"``, ``"video"``) from one pass of the vision tower
+        over the images and videos together (each image or video attends within itself, so its features
+        are those of separate passes)."""
+        model: Any = self.model  # type: ignore[attr-defined]
+        images = 0 if pixel_values is None else len(image_grid_thw)  # type: ignore[arg-type]
+        pixels: Any = pixel_values_videos
+        grid: Any = video_grid_thw
+        if images:
+            pixels = torch.cat([pixel_values, pixel_values_videos])  # type: ignore[list-item]
+            grid = torch.cat([image_grid_thw, video_grid_thw])  # type: ignore[list-item]
+        both = model.get_image_features(pixels, grid, return_dict=True)
+        out = {"video": _items(both, images, None)}
+        if images:
+            out["image"] = _items(both, 0, images)
+        return out
+
+
+def _items(features: Any, start: int, stop: int | None) -> Any:
+    """A copy of a vision-tower output (per-item ``pooler_output`` and, where present, per-layer
+    ``deepstack_features``, each a tuple over images/videos) holding items ``start:stop``."""
+    part = copy.copy(features)
+    part.pooler_output = tuple(features.pooler_output[start:stop])
+    deepstack = getattr(features, "deepstack_features", None)
+    if deepstack is not None:
+        part.deepstack_features = [tuple(layer[start:stop]) for layer in deepstack]
+    return part
