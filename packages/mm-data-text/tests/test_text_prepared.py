@@ -185,6 +185,27 @@ def test_a_failed_build_leaves_the_last_good_cache(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
 
 
+def test_an_id_outside_the_vocabulary_names_the_shard(tmp_path, tokenizer_dir):
+    """A shard corrupted in place (same size and mtime) with an id past the vocabulary: reading the block
+    names the file and ``mm data verify`` (before: ``IndexError`` in the model's embedding)."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus(40)), "utf-8")
+    ds = make(tmp_path, tokenizer_dir, dataset="a.jsonl", seq_len=32)
+    assert int(ds[1]["input_ids"].max()) < ds.store.vocab_size
+    shard = next(ds.prepared.path.glob("*.tok"))
+    stat = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[32 * ds.store.dtype.itemsize : 33 * ds.store.dtype.itemsize] = b"\xff" * ds.store.dtype.itemsize
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = make(tmp_path, tokenizer_dir, dataset="a.jsonl", seq_len=32)
+    assert not again.built  # size and mtime unchanged: only the hashes would see it
+    with pytest.raises(
+        DataError, match=rf"{shard.name}: token id \d+ at token 32 is outside .*mm data verify"
+    ):
+        again[1]
+    assert int(again[0]["input_ids"].max()) < again.store.vocab_size  # other blocks still read
+
+
 def test_a_source_that_disappears_while_preparing_is_named(tmp_path):
     src = tmp_path / "s.txt"
     src.write_text("data", encoding="utf-8")

@@ -170,7 +170,9 @@ class TextPretrainDataset(PreparedDataset, torch.utils.data.Dataset):
         self.prepared, self.built = options.open("text_pretrain", spec, self.files, build)
         payload = self.prepared.payload
         shards = [shard for source in payload["sources"] for shard in source]
-        self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=False)
+        self.store = TokenStore(
+            self.prepared.path, shards, payload["dtype"], with_mask=False, vocab_size=len(tokenizer)
+        )
         # first token of every source in the store, blocks per source, first block of every source
         source_tokens = [sum(int(sh["tokens"]) for sh in source) for source in payload["sources"]]
         self.source_token_base = np.concatenate([[0], np.cumsum(source_tokens)]).astype(np.int64)

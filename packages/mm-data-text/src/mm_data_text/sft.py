@@ -227,7 +227,9 @@ class SFTDataset(PreparedDataset, torch.utils.data.Dataset):
         self.prepared, self.built = options.open("sft", spec, self.files, build)
         payload = self.prepared.payload
         shards = [shard for source in payload["sources"] for shard in source]
-        self.store = TokenStore(self.prepared.path, shards, payload["dtype"], with_mask=True)
+        self.store = TokenStore(
+            self.prepared.path, shards, payload["dtype"], with_mask=True, vocab_size=len(tokenizer)
+        )
         self.source_sizes = [sum(int(sh["documents"]) for sh in source) for source in payload["sources"]]
         self.num_tokens = self.store.num_tokens
         self.num_skipped: int = payload["skipped"]

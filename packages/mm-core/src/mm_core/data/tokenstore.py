@@ -123,9 +123,17 @@ class TokenStore:
     arrays the caller owns (see the module docstring)."""
 
     def __init__(
-        self, directory: Path, shards: Sequence[dict[str, Any]], dtype: str, *, with_mask: bool
+        self,
+        directory: Path,
+        shards: Sequence[dict[str, Any]],
+        dtype: str,
+        *,
+        with_mask: bool,
+        vocab_size: int | None = None,
     ) -> None:
         self.directory, self.dtype, self.with_mask = Path(directory), np.dtype(dtype), with_mask
+        #: ids read at or above it (a shard corrupted in place) stop the read, naming the file
+        self.vocab_size = vocab_size
         self.stems = [str(s["stem"]) for s in shards]
         tokens = np.array([int(s["tokens"]) for s in shards], dtype=np.int64)
         docs = np.array([int(s["documents"]) for s in shards], dtype=np.int64)
@@ -159,7 +167,15 @@ class TokenStore:
         if hi <= lo:
             return np.zeros(0, dtype=dtype)
         data = self._files.read(path, lo * dtype.itemsize, (hi - lo) * dtype.itemsize)
-        return np.frombuffer(data, dtype=dtype)
+        values = np.frombuffer(data, dtype=dtype)
+        if kind == "tok" and self.vocab_size is not None and int(values.max()) >= self.vocab_size:
+            at = lo + int(np.argmax(values >= self.vocab_size))
+            raise DataError(
+                f"{path}: token id {int(values[at - lo])} at token {at} is outside the tokenizer's "
+                f"vocabulary ({self.vocab_size} ids): the prepared file is corrupt; `mm data verify` names "
+                "every such file, then prepare again (`mm data prepare --overwrite`)"
+            )
+        return values
 
     def _offset(self, shard: int, i: int) -> int:
         return int(self._read(shard, "idx", i, i + 1)[0])
