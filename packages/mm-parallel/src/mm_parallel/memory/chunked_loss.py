@@ -50,13 +50,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight, bias).float()
             valid = t != ignore_index
             safe = torch.where(valid, t, 0).unsqueeze(1)
-            lse = torch.logsumexp(logits, dim=-1)
+            # log-sum-exp in the logits' own memory (torch.logsumexp takes chunk-sized temporaries): the
+            # target's logit first, then exp(logits - max) in place, which the gradient below reuses
+            picked = logits.gather(1, safe).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            lse = (top + sums.log()).squeeze(1)
             coef = valid.float() if weights is None else torch.where(valid, weights[start:stop].float(), 0.0)
-            total += ((lse - logits.gather(1, safe).squeeze(1)) * coef).sum()
+            total += ((lse - picked) * coef).sum()
             if not (need_h or need_w or need_b):
                 continue
             # d(loss)/d(logits) = coef * (softmax - onehot(target)), built in the logits' memory
-            g = logits.sub_(lse.unsqueeze(1)).exp_()
+            g = logits.div_(sums)  # softmax
             g.scatter_add_(1, safe, -valid.float().unsqueeze(1))
             g.mul_(coef.unsqueeze(1))
             if grad_b is not None:
