@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mm_core.data.collate import COLLATE_FIELDS, META_FIELDS, Padding, meta_fields, pad_tokens
+from mm_core.data.packing import pack_tokens
 from mm_core.data.params import COLLATE
 from mm_core.errors import ConfigError
 
@@ -29,7 +30,12 @@ class AudioCollator:
     in the order the audio tokens appear in the flattened batch) and concatenates image inputs
     (``pixel_values``, ``image_grid_thw``) along dim 0. A batch without audio has no audio key, one without
     images no image key. ``sample_id`` is a tensor [B]; ``skipped_samples`` (records skipped by
-    ``on_error: skip``) an int."""
+    ``on_error: skip``) an int. With ``packing`` (``data.dataloader_param.packing``) the token fields are
+    concatenated into one row (:func:`mm_core.data.packing.pack_tokens`); the clips stay one row each, in
+    sample order, and the audio tower encodes each clip alone as before."""
+
+    #: set by mm_core.data.builder when ``data.dataloader_param.packing`` is true
+    packing = False
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
         self.padding = Padding.read(collate_param, dataset)
@@ -43,7 +49,7 @@ class AudioCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pads = {"input_ids": self.padding.pad_token_id, "labels": self.padding.label_pad_id}
-        batch: dict[str, Any] = pad_tokens(features, pads, self.padding)
+        batch: dict[str, Any] = (pack_tokens if self.packing else pad_tokens)(features, pads, self.padding)
         for key in IMAGE_FIELDS:
             parts = [f[key] for f in features if key in f]
             if parts:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mm_core.data.collate import COLLATE_FIELDS, Padding
+from mm_core.data.packing import pack_tokens
 from mm_core.errors import DataError
 
 __all__ = ["COLLATE_FIELDS", "LLMPretrainCollator", "SFTCollator", "pad_batch"]
@@ -86,10 +87,23 @@ class _PadCollator:
 
 class SFTCollator(_PadCollator):
     """Right-pads variable-length SFT samples to the longest in the batch (rounded up to
-    ``pad_to_multiple_of``); adds ``attention_mask``."""
+    ``pad_to_multiple_of``); adds ``attention_mask``. With ``packing`` (``data.dataloader_param.packing``)
+    the samples are concatenated into one row instead (:func:`mm_core.data.packing.pack_tokens`)."""
+
+    #: set by mm_core.data.builder when ``data.dataloader_param.packing`` is true
+    packing = False
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        return self._pad(features)
+        if not self.packing:
+            return self._pad(features)
+        pads = {"input_ids": self.pad_token_id, "labels": self.label_pad_id}
+        batch = pack_tokens(
+            features, pads, Padding(self.pad_token_id, self.label_pad_id, self.pad_to_multiple_of)
+        )
+        for key in features[0]:
+            if key not in SEQUENCE_KEYS and key != "attention_mask":
+                batch[key] = _extra(features, key).long() if key == "sample_id" else _extra(features, key)
+        return batch
 
 
 class LLMPretrainCollator(_PadCollator):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mm_core.data.collate import COLLATE_FIELDS, META_FIELDS, Padding, meta_fields, pad_tokens
+from mm_core.data.packing import pack_tokens
 
 __all__ = ["COLLATE_FIELDS", "META_FIELDS", "TOKEN_FIELDS", "Qwen3VLCollator", "VLMCollator"]
 
@@ -24,7 +25,11 @@ class VLMCollator:
     in the flattened batch): Qwen-VL's ``pixel_values`` [patches, dim] and ``image_grid_thw`` [images, 3],
     Kimi K2.5's [patches, 3, P, P], Step 3.7's global views and crops, ... A batch without images has no
     pixel key. ``sample_id`` is a tensor [B]; ``skipped_samples`` (records skipped by ``on_error: skip``) an
-    int."""
+    int. With ``packing`` (``data.dataloader_param.packing``) the token fields are concatenated into one row
+    (:func:`mm_core.data.packing.pack_tokens`; the pixel inputs stay in sample order)."""
+
+    #: set by mm_core.data.builder when ``data.dataloader_param.packing`` is true
+    packing = False
 
     def __init__(self, collate_param: Mapping[str, Any] | None = None, dataset: Any = None) -> None:
         self.padding = Padding.read(collate_param, dataset)
@@ -36,7 +41,7 @@ class VLMCollator:
             "mm_token_type_ids": 0,
         }
         present = {k: pads[k] for k in TOKEN_FIELDS if features and k in features[0]}
-        batch: dict[str, Any] = pad_tokens(features, present, self.padding)
+        batch: dict[str, Any] = (pack_tokens if self.packing else pad_tokens)(features, present, self.padding)
         skip = (*TOKEN_FIELDS, *META_FIELDS)
         pixel_keys = sorted({k for f in features for k in f if k not in skip})
         for key in pixel_keys:

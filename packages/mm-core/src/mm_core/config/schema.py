@@ -141,7 +141,20 @@ class DataloaderParam(Block):
     # consecutive buffer of `dynamic_batch_buffer` samples of that order to cut padding; 1 keeps the order.
     max_tokens_per_batch: int | None = Field(None, ge=1)
     dynamic_batch_buffer: int = Field(256, ge=1)
+    # Packing (SFT, vision-language, audio samples): each micro-batch's samples concatenated into ONE row of
+    # at most `max_tokens_per_batch` tokens (the budget then counts the sum of lengths, not count * longest),
+    # positions restarting per sample, no attention or label across samples (see mm_core.data.packing).
+    packing: bool = False
     collate_param: CollateParam = Field(default_factory=CollateParam)
+
+    @model_validator(mode="after")
+    def _packing_needs_a_length(self) -> DataloaderParam:
+        if self.packing and self.max_tokens_per_batch is None:
+            raise ValueError(
+                "packing: true needs data.dataloader_param.max_tokens_per_batch, the length each packed row "
+                "is filled up to (e.g. the longest sample, cutoff_len, or more)"
+            )
+        return self
 
 
 class DataConfig(Block):

@@ -16,7 +16,14 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mm_core.config.schema import DataConfig
-from mm_core.data.sampling import BUDGET_KEY, GlobalOrderSampler, TokenBudgetBatchSampler, source_mixing
+from mm_core.data.packing import enable_packing
+from mm_core.data.sampling import (
+    BUDGET_KEY,
+    GlobalOrderSampler,
+    SourceMixing,
+    TokenBudgetBatchSampler,
+    source_mixing,
+)
 from mm_core.errors import ConfigError
 from mm_core.registry import collator_register, data_register
 
@@ -77,13 +84,16 @@ def build_collator(cfg: DataConfig, dataset: MapDataset) -> Collate:
     """The collate rule: a dataset's own callable ``collate_fn`` wins; else ``collate_param.collator_id``
     (alias ``model_name``) picks a registered collator; else the tensors are stacked."""
     own = getattr(dataset, "collate_fn", None)
-    if callable(own):
-        return cast(Collate, own)
     param = cfg.dataloader_param.collate_param
-    if param.name is None:
-        return torch.utils.data.default_collate
-    factory = collator_register.get(param.name)
-    collate: Collate = factory(param.model_dump(), dataset)
+    if callable(own):
+        collate = cast(Collate, own)
+        name = f"{cfg.dataset_param.dataset_type}.collate_fn"
+    elif param.name is None:
+        collate, name = torch.utils.data.default_collate, "default_collate"
+    else:
+        collate, name = collator_register.get(param.name)(param.model_dump(), dataset), param.name
+    if cfg.dataloader_param.packing:  # one packed row per micro-batch (mm_core.data.packing)
+        enable_packing(collate, name)
     return collate
 
 
@@ -114,7 +124,7 @@ def sample_lengths(dataset: MapDataset, dataset_type: str = "") -> npt.NDArray[n
 
 
 def _budget_sampler(
-    dataset: MapDataset, cfg: DataConfig, *, dp_size: int, dp_rank: int, seed: int
+    dataset: MapDataset, cfg: DataConfig, *, dp_size: int, dp_rank: int, seed: int, mix: bool = True
 ) -> TokenBudgetBatchSampler:
     dl, dataset_type = cfg.dataloader_param, cfg.dataset_param.dataset_type
     assert dl.max_tokens_per_batch is not None
@@ -140,9 +150,21 @@ def _budget_sampler(
         shuffle=dl.shuffle,
         seed=seed,
         drop_last=dl.drop_last,
-        mixing=source_mixing(dataset, dataset_type),
+        mixing=_mixing(dataset, dataset_type, mix),
         buckets=_checked_buckets(buckets(), len(dataset), dataset_type) if callable(buckets) else None,
+        packed=dl.packing,
     )
+
+
+def _mixing(dataset: MapDataset, dataset_type: str, mix: bool) -> SourceMixing | None:
+    """The dataset's own mixing (``mix``), or each source weighted by its size: with that weight every
+    sample comes once per epoch, and without shuffling the sources are merged evenly by position."""
+    if mix:
+        return source_mixing(dataset, dataset_type)
+    sizes = [int(n) for n in getattr(dataset, "source_sizes", None) or ()]
+    if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != len(dataset):
+        return None
+    return SourceMixing(tuple(sizes), tuple(float(n) for n in sizes))
 
 
 def _checked_buckets(buckets: Any, n: int, dataset_type: str) -> npt.NDArray[np.int64]:
@@ -164,6 +186,7 @@ def build_dataloader(
     dp_size: int,
     dp_rank: int,
     seed: int,
+    mix: bool = True,
 ) -> StatefulDataLoader:
     """A loader over this rank's share of a seeded global order (see :mod:`mm_core.data.sampling`).
 
@@ -171,7 +194,8 @@ def build_dataloader(
     ``data.dataloader_param.max_tokens_per_batch`` when it is set (:class:`TokenBudgetBatchSampler`;
     ``micro_batch_size`` is then ignored). The loader has its own random generator (re-seeded per epoch by
     :class:`EpochIterator`), so starting an iterator never draws from the global torch RNG that dropout
-    uses."""
+    uses. ``mix=False`` reads every sample once, the sources interleaved in proportion to their sizes,
+    whatever the dataset's ``source_weights`` (evaluation)."""
     dl = cfg.dataloader_param
     kwargs: dict[str, Any] = {}
     if dl.num_workers > 0 and dl.persistent_workers and callable(getattr(dataset, "set_epoch", None)):
@@ -190,7 +214,9 @@ def build_dataloader(
         if dl.prefetch_factor is not None:
             kwargs["prefetch_factor"] = dl.prefetch_factor
     if dl.max_tokens_per_batch is not None:
-        kwargs["batch_sampler"] = _budget_sampler(dataset, cfg, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        kwargs["batch_sampler"] = _budget_sampler(
+            dataset, cfg, dp_size=dp_size, dp_rank=dp_rank, seed=seed, mix=mix
+        )
     else:
         per_step = micro_batch_size * dp_size
         if dl.drop_last and len(dataset) < per_step:
@@ -206,7 +232,7 @@ def build_dataloader(
             shuffle=dl.shuffle,
             seed=seed,
             drop_last=dl.drop_last,
-            mixing=source_mixing(dataset, cfg.dataset_param.dataset_type),
+            mixing=_mixing(dataset, cfg.dataset_param.dataset_type, mix),
         )
         kwargs.update(batch_size=micro_batch_size, drop_last=dl.drop_last)
     generator = torch.Generator()

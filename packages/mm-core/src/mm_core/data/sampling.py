@@ -265,13 +265,15 @@ def bucket_run_ends(buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return ends[np.searchsorted(ends, np.arange(n), side="right")]
 
 
-def _fit(lengths: npt.NDArray[np.int64], lo: int, budget: int) -> int:
+def _fit(lengths: npt.NDArray[np.int64], lo: int, budget: int, packed: bool = False) -> int:
     """How many samples from ``lo`` make one micro-batch: the longest run with ``count * longest <= budget``
-    (``lengths[lo] <= budget``). The window doubles, so a batch of ``m`` samples costs ``O(m)``."""
+    (``sum of lengths <= budget`` when ``packed``; ``lengths[lo] <= budget``). The window doubles, so a batch
+    of ``m`` samples costs ``O(m)``."""
     cap = min(budget // int(lengths[lo]), len(lengths) - lo)
     width = min(cap, 64)
     while True:
-        cost = np.arange(1, width + 1) * np.maximum.accumulate(lengths[lo : lo + width])
+        run = lengths[lo : lo + width]
+        cost = np.cumsum(run) if packed else np.arange(1, width + 1) * np.maximum.accumulate(run)
         fits = int(np.count_nonzero(cost <= budget))  # cost strictly increases: the fitting ones lead
         if fits < width or width == cap:
             return fits
@@ -304,7 +306,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     With ``buckets`` (one integer per sample, from the dataset's ``sample_buckets()``: e.g. the latent shape
     of a video clip) a micro-batch never holds two buckets: the windows are sorted by length, then bucket,
-    and a cut also ends where the bucket changes."""
+    and a cut also ends where the bucket changes.
+
+    With ``packed`` (``data.dataloader_param.packing``) a micro-batch takes samples while the sum of their
+    lengths is at most ``max_tokens``: the collator concatenates them into one row."""
 
     def __init__(
         self,
@@ -319,7 +324,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         drop_last: bool,
         mixing: SourceMixing | None = None,
         buckets: npt.NDArray[np.integer[Any]] | None = None,
+        packed: bool = False,
     ) -> None:
+        self.packed = packed
         self.lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
         self.buckets = None if buckets is None else torch.as_tensor(np.asarray(buckets, dtype=np.int64))
         if self.buckets is not None and self.buckets.shape != self.lengths.shape:
@@ -371,7 +378,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                         f"{BUDGET_KEY}: sample {int(order[pos])} has {int(lengths[pos])} tokens, more than "
                         f"the budget of {self.max_tokens}; raise {BUDGET_KEY} to at least {int(lengths[pos])}"
                     )
-                pos += _fit(lengths if run_end is None else lengths[: run_end[pos]], pos, self.max_tokens)
+                cut = lengths if run_end is None else lengths[: run_end[pos]]
+                pos += _fit(cut, pos, self.max_tokens, self.packed)
                 cuts.append(pos)
             missing = dp + 1 - len(cuts)
             if missing and self.drop_last:
