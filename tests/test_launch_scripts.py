@@ -66,3 +66,33 @@ def test_every_script_resolves_both_names(script: Path) -> None:
     )
     assert resolve < launch
     assert not any("${NPROC_PER_NODE:-2}" in line for line in lines)
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["nvidia-gpu", "cpu"])
+def test_accelerator_runs_in_bf16_with_fp32_reduce(fake_torchrun: dict[str, str], gpu: bool) -> None:
+    """On a node with an accelerator (here a stand-in ``nvidia-smi -L`` that succeeds) the launch adds bf16
+    parameters and fp32 reduction before the user's overrides, which still win; on a CPU node nothing."""
+    if Path("/usr/local/Ascend/ascend-toolkit/set_env.sh").is_file():
+        pytest.skip("an Ascend toolkit on this machine makes every node an accelerator node")
+    bindir = Path(fake_torchrun["PATH"].split(":", 1)[0])
+    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 1}\n", encoding="utf-8")
+    (bindir / "nvidia-smi").chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "examples/quickstart/train.sh", "training.lr=1e-4"],
+        cwd=REPO,
+        env=fake_torchrun,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    dtypes = "parallel.fsdp_plan.param_dtype=bf16 parallel.fsdp_plan.reduce_dtype=fp32 training.lr=1e-4"
+    assert (dtypes in proc.stdout) == gpu, proc.stdout
+
+
+def test_every_script_uses_accelerator_dtypes() -> None:
+    dtypes = "DTYPES=(parallel.fsdp_plan.param_dtype=bf16 parallel.fsdp_plan.reduce_dtype=fp32)"
+    for script in SCRIPTS:
+        text = script.read_text(encoding="utf-8")
+        assert dtypes in text, script
+        assert '${DTYPES[@]+"${DTYPES[@]}"} "$@"' in text, script

@@ -23,10 +23,17 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 
+# On an accelerator (an Ascend toolkit or an NVIDIA GPU on this node) the recipe trains with bf16 parameters
+# and fp32 gradient reduction; the YAML's fp32 is for CPUs. Overrides given to this script come later and win.
+DTYPES=()
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]] || nvidia-smi -L >/dev/null 2>&1; then
+  DTYPES=(parallel.fsdp_plan.param_dtype=bf16 parallel.fsdp_plan.reduce_dtype=fp32)
+fi
+
 torchrun \
   --nproc_per_node "$NPROC_PER_NODE" \
   --nnodes "$NNODES" \
   --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" \
   --master_port "$MASTER_PORT" \
-  -m mm_core.train "$CONFIG" "$@"
+  -m mm_core.train "$CONFIG" ${DTYPES[@]+"${DTYPES[@]}"} "$@"

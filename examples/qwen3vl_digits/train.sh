@@ -16,6 +16,13 @@ if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" !=
   exit 2
 fi
 NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
+# On an accelerator (an Ascend toolkit or an NVIDIA GPU on this node) the recipe trains with bf16 parameters
+# and fp32 gradient reduction; the YAML's fp32 is for CPUs. Overrides given to this script come later and win.
+DTYPES=()
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]] || nvidia-smi -L >/dev/null 2>&1; then
+  DTYPES=(parallel.fsdp_plan.param_dtype=bf16 parallel.fsdp_plan.reduce_dtype=fp32)
+fi
+
 torchrun --nproc_per_node "$NPROC_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29511}" \
-  -m mm_core.train examples/qwen3vl_digits/config.yaml "$@"
+  -m mm_core.train examples/qwen3vl_digits/config.yaml ${DTYPES[@]+"${DTYPES[@]}"} "$@"

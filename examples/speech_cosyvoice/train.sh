@@ -21,9 +21,15 @@ if [[ -n "${NPUS_PER_NODE:-}" && -n "${NPROC_PER_NODE:-}" && "$NPUS_PER_NODE" !=
   exit 2
 fi
 NPROC_PER_NODE="${NPROC_PER_NODE:-${NPUS_PER_NODE:-2}}"
+# On an accelerator (an Ascend toolkit or an NVIDIA GPU on this node) the stages train with bf16 parameters
+# and fp32 gradient reduction; the YAMLs' fp32 is for CPUs. Extra arguments come later and win.
+DTYPES=()
+if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]] || nvidia-smi -L >/dev/null 2>&1; then
+  DTYPES=(parallel.fsdp_plan.param_dtype=bf16 parallel.fsdp_plan.reduce_dtype=fp32)
+fi
 for stage in lm flow vocoder; do
   start=$(date +%s)
-  python -m mm_core.cli train "$EXAMPLE/$stage.yaml" --nproc-per-node "$NPROC_PER_NODE" "$@"
+  python -m mm_core.cli train "$EXAMPLE/$stage.yaml" --nproc-per-node "$NPROC_PER_NODE" ${DTYPES[@]+"${DTYPES[@]}"} "$@"
   echo "train.sh: $stage trained in $(( $(date +%s) - start )) s"
   rm -rf "$RUNS/$stage/hf"
   python -m mm_core.cli convert dcp-to-hf "$RUNS/$stage/checkpoints" "$RUNS/$stage/hf"
