@@ -303,6 +303,7 @@ def test_a_tasks_further_models_are_stored_beside_the_main_one(tmp_path):
     critic = _ts(Tiny())
     ts.extra["critic"] = ModelParts(critic.model, critic.optimizer, critic.scheduler)
     save_checkpoint(tmp_path, 2, ts)
+    save_checkpoint(tmp_path / "gan", 2, ts, config_text="training:\n  task: gan\n")
     metadata = FileSystemReader(str(tmp_path / "step_2")).read_metadata().state_dict_metadata
     assert {"model.a.weight", "critic.a.weight", "critic.a.bias"} <= set(metadata)
     assert {"optimizer.json", "optimizer_critic.json", "scheduler.json", "scheduler_critic.json"} <= set(
@@ -326,6 +327,16 @@ def test_a_tasks_further_models_are_stored_beside_the_main_one(tmp_path):
         load_checkpoint(tmp_path / "plain" / "step_1", lone)
     report = load_checkpoint(tmp_path / "plain" / "step_1", lone, strict=False)
     assert sorted(report["missing_model_keys"]) == ["critic.a.bias", "critic.a.weight"]
+
+    # the reverse: the critic's checkpoint resumed by a task that builds the main model only (a vocoder run's
+    # discriminator under the standard task): strict names the model and the task that saved it
+    plain = _ts(Tiny())
+    with pytest.raises(
+        CheckpointError, match=r"also holds 'critic'.*training.task: gan\).*load_strict: false"
+    ):
+        load_checkpoint(tmp_path / "gan" / "step_2", plain)
+    report = load_checkpoint(tmp_path / "gan" / "step_2", plain, strict=False)
+    assert torch.equal(plain.model.a.weight, ts.model.a.weight) and "critic" not in report["loaded"]
 
 
 def test_no_save_and_no_load_switches(tmp_path):

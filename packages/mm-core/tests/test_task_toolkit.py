@@ -17,7 +17,7 @@ from torch import nn
 from mm_core.config import validate_config
 from mm_core.errors import ConfigError, NonFiniteError
 from mm_core.tasks import TaskContext, TaskToolkit
-from mm_core.tasks.stats import read_on_host, sum_over_ranks
+from mm_core.tasks.stats import read_on_host, start_read, sum_over_ranks
 
 
 @pytest.fixture
@@ -113,3 +113,50 @@ def test_load_and_save_checks_cover_every_model(good_raw: dict[str, Any], group:
         TaskToolkit(_ctx(good_raw, init_model_with_meta_device=False), [good, bad]).after_load()
     TaskToolkit(_ctx(good_raw), [good]).after_load()
     TaskToolkit(_ctx(good_raw), [good]).before_save(4)
+
+
+def test_update_then_read_masks_a_non_finite_step_on_the_device(
+    good_raw: dict[str, Any], group: None
+) -> None:
+    """Fused AdamW: the update is issued before the read and skipped by the kernel itself when the loss or
+    the grad norm is not finite (weights, moments and step count untouched); the policy then decides as
+    :meth:`TaskToolkit.update` does."""
+    toolkit = TaskToolkit(_ctx(good_raw, skip_nonfinite_steps=1), [])
+    model = _model_with_grads()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    assert toolkit.masks_on_device(opt)
+    assert not toolkit.masks_on_device(torch.optim.AdamW(nn.Linear(2, 2).parameters(), foreach=True))
+
+    def step(loss: float, norm: float, number: int) -> tuple[dict[str, float], bool]:
+        stats = {
+            "loss": torch.tensor(loss, dtype=torch.float64),
+            "norm": torch.tensor(norm, dtype=torch.float64),
+        }
+        read = start_read(stats)
+        return toolkit.update_then_read(
+            opt,
+            sched,
+            step=number,
+            loss=stats["loss"],
+            grad_norm=stats["norm"],
+            read=read.result,
+            names=("loss", "norm"),
+        )
+
+    values, applied = step(1.0, 2.0, 1)
+    assert applied and values == {"loss": 1.0, "norm": 2.0} and sched.last_epoch == 1
+    after_one = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    model(torch.randn(5, 4)).sum().backward()
+    values, applied = step(1.0, float("nan"), 2)  # skipped within the budget
+    assert not applied and sched.last_epoch == 1 and model.weight.grad is None
+    assert all(torch.equal(v, after_one[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, state[k]) for k, v in opt.state[model.weight].items())
+    model(torch.randn(5, 4)).mul(float("inf")).sum().backward()
+    with pytest.raises(NonFiniteError, match="training stopped at step 3: the loss is inf"):
+        step(float("inf"), 1.0, 3)
+    assert all(torch.equal(v, after_one[k]) for k, v in model.state_dict().items())
+    assert not hasattr(opt, "found_inf")
+    model(torch.randn(5, 4)).sum().backward()
+    assert step(1.0, 1.0, 4)[1] and not torch.equal(model.weight, after_one["weight"])

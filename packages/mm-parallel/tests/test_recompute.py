@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mm_parallel.fsdp import apply_fsdp
-from mm_parallel.memory import OP_GROUPS, apply_recompute, resolve_ops
+from mm_parallel.memory import OP_GROUPS, apply_recompute, read_once, resolve_ops
 
 
 def test_resolve_ops_names_and_errors():
@@ -106,3 +106,48 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_recompute_parity_fsdp2():
     run_ranks(_worker, 2, timeout=60)
+
+
+class _Reads(torch.nn.Module):
+    """Reads a value of its input on the host (as the expert exchange reads its split sizes) and uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.reads: list[list[int]] = []
+
+    def forward(self, x):
+        sizes = read_once((x.abs().sum(1) > 0).long().cumsum(0))
+        self.reads.append(sizes)
+        return torch.tanh(self.linear(x)) * sizes[-1]
+
+
+@pytest.mark.parametrize("save_ops", [None, ["aten.mm"]])
+def test_a_recomputed_forward_replays_its_host_reads(save_ops):
+    """The recomputed forward gets the first run's values from read_once without reading (tolist) again."""
+    torch.manual_seed(0)
+    plain, checkpointed = _Reads(), _Reads()
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_recompute([checkpointed], save_ops=resolve_ops(save_ops) if save_ops else None)
+    x = torch.randn(3, 4)
+    tolists = []
+    original = torch.Tensor.tolist
+
+    def counting(t, *args, **kwargs):
+        tolists.append(t.shape)
+        return original(t, *args, **kwargs)
+
+    for model in (plain, checkpointed):
+        torch.Tensor.tolist = counting
+        try:
+            model(x).sum().backward()
+        finally:
+            torch.Tensor.tolist = original
+    # plain: one read; checkpointed: one read in forward, none in the recomputation (which ran: 2 forwards)
+    assert (
+        len(tolists) == 2 and len(checkpointed.reads) == 2 and checkpointed.reads[0] == checkpointed.reads[1]
+    )
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    # outside a checkpoint read_once is a plain read
+    assert read_once(torch.tensor([1, 2])) == [1, 2]

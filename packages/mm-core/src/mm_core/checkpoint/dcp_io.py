@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -29,6 +31,8 @@ from mm_core.errors import CheckpointError
 from mm_core.lora import is_adapter_key
 
 CONFIG_FILE = "mm_config.yaml"
+
+logger = logging.getLogger(__name__)
 
 
 class ModelState:
@@ -257,6 +261,41 @@ def _check_model_keys(
     return missing, skip
 
 
+def _saved_task(path: Path) -> str:
+    """``training.task`` of the run that saved ``path`` (its config copy), or ``"unknown"``."""
+    try:
+        saved = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        return str(((saved or {}).get("training") or {}).get("task", "standard"))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "unknown"
+
+
+def _check_no_other_models(path: Path, stored_top: set[str], ts: TrainingState, strict: bool) -> None:
+    """A checkpoint that holds models this run's task does not build (a vocoder run's discriminator resumed
+    by the standard task) is refused under ``load_strict``, naming them and the task that saved them."""
+    known = {*ts.models(), "optimizer", "scheduler", "progress", "data"}
+    others = sorted(
+        k for k in stored_top - known if not k.startswith(("rng_rank", "optimizer_", "scheduler_"))
+    )
+    if not others:
+        return
+    if strict:
+        raise CheckpointError(
+            f"training.load: {path} also holds {', '.join(map(repr, others))}, models of the task that saved "
+            f"it (training.task: {_saved_task(path)}), which this run's task does not build. Resume under "
+            "that task, or set training.load_strict: false to load the models this task builds and leave the "
+            "rest"
+        )
+    if _rank() == 0:
+        logger.warning(
+            "training.load: %s also holds %s (training.task: %s), not loaded: this run's task does not build "
+            "them (training.load_strict: false)",
+            path,
+            ", ".join(others),
+            _saved_task(path),
+        )
+
+
 def load_checkpoint(
     path: str | Path,
     ts: TrainingState,
@@ -279,6 +318,7 @@ def load_checkpoint(
             raise CheckpointError(f"training.load: {path} is not a complete DCP checkpoint (no .metadata)")
         metadata = read_metadata(path, where="training.load").state_dict_metadata
         stored_top = {k.split(".", 1)[0] for k in metadata}
+        _check_no_other_models(path, stored_top, ts, strict)
         states = _states(ts, optim=load_optim, rng=load_rng)
         missing: list[str] = []
         for entry, model in ts.models().items():

@@ -31,7 +31,7 @@ from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
 from mm_core.tasks.base import MAIN, StepResult, Task, TaskParts
 from mm_core.tasks.building import build_model
-from mm_core.tasks.stats import read_on_host, sum_over_ranks
+from mm_core.tasks.stats import start_read, sum_over_ranks
 from mm_core.tasks.toolkit import TaskToolkit
 from mm_core.train.flops import StepFlops
 from mm_core.train.loss import count_units, loss_sum, loss_weights, shift_labels
@@ -304,10 +304,25 @@ class StandardTask(Task):
             stats["peak_mem_gb"] = peak
         for name in self._parts:  # (sum, count) of each loss part
             stats[f"part:{name}:sum"], stats[f"part:{name}:count"] = summed[f"part:{name}"]
-        values = read_on_host(stats)  # the step's one host sync
+        step = self.ctx.progress.step + 1
+        lr = unscaled_lr(self.optimizer)  # the rate of this step's update (training.lr_scaling_plan aside)
+        pending = start_read(stats)  # the step's one host sync, waited for below
+        if self.toolkit.masks_on_device(self.optimizer):
+            # the update is issued first, masked on the device if the loss or the grad norm is not finite,
+            # so the device runs it while the host waits only for the statistics copied before it
+            values, _ = self.toolkit.update_then_read(
+                self.optimizer,
+                self.scheduler,
+                step=step,
+                loss=stats["loss_sum"],
+                grad_norm=stats["grad_norm"],
+                read=pending.result,
+                names=("loss_sum", "grad_norm"),
+            )
+        else:  # the optimizer cannot skip on the device: the policy decides on the host values first
+            values = pending.result()
         step_loss = values["loss_sum"] / (ws if raw else max(values["units"], 1.0))
         gnorm = values["grad_norm"]
-        lr = unscaled_lr(self.optimizer)  # the rate of this step's update (training.lr_scaling_plan aside)
         metrics = {"loss": step_loss, "grad_norm": gnorm, "lr": lr, "tokens": int(values["tokens"])}
         if aux:  # mixture-of-experts: the mean over micro-batches of the global router loss
             metrics["aux_loss"] = values["aux_loss"]
@@ -315,8 +330,8 @@ class StandardTask(Task):
             count = values[f"part:{name}:count"]
             if count:
                 metrics[name] = values[f"part:{name}:sum"] / count
-        step = self.ctx.progress.step + 1
-        self.toolkit.update(self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss)
+        if not self.toolkit.masks_on_device(self.optimizer):
+            self.toolkit.update(self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss)
         metrics.update(self.toolkit.nonfinite_metrics())
         return StepResult(
             metrics,

@@ -30,6 +30,37 @@ def sum_over_ranks(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     }
 
 
+class PendingRead:
+    """Named 0-dim device tensors on their way to the host (:func:`start_read`); :meth:`result` waits for them
+    only (one host sync), not for device work queued after the copy."""
+
+    def __init__(self, names: list[str], buffer: torch.Tensor, event: torch.Event | None) -> None:
+        self._names, self._buffer, self._event = names, buffer, event
+
+    def result(self) -> dict[str, float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return dict(zip(self._names, self._buffer.tolist(), strict=True))
+
+
+def start_read(values: Mapping[str, torch.Tensor]) -> PendingRead:
+    """Start reading named 0-dim tensors (on one device) on the host: on an accelerator one asynchronous copy
+    into pinned host memory, marked by an event, so work launched after it (the optimizer update) runs while
+    the host waits for the values; on CPU the values themselves. :meth:`PendingRead.result` gives the floats
+    (the step's one host sync)."""
+    names = list(values)
+    if not names:
+        return PendingRead([], torch.zeros(0, dtype=torch.float64), None)
+    stacked = torch.stack([values[name].reshape(()) for name in names])
+    if stacked.device.type == "cpu":
+        return PendingRead(names, stacked, None)
+    buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    buffer.copy_(stacked, non_blocking=True)
+    event = torch.Event(device=stacked.device)
+    event.record()
+    return PendingRead(names, buffer, event)
+
+
 def read_on_host(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Named 0-dim tensors (on one device) as floats, in ONE host sync (one stacked ``.tolist()``)."""
     names = list(values)

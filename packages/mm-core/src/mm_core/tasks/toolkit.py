@@ -7,6 +7,8 @@
 - :meth:`~TaskToolkit.update`: step an optimizer and its lr schedule unless the step's loss or gradient
   norm is not finite (``training.skip_nonfinite_steps``, else the run stops; see
   :mod:`mm_core.train.nonfinite`), then drop the gradients;
+- :meth:`~TaskToolkit.update_then_read`: the same decision with the update issued before the step's host
+  read, where the optimizer can skip a non-finite step on the device (fused AdamW);
 - :meth:`~TaskToolkit.after_load`: after a resume, check that a meta-built model got every weight;
 - :meth:`~TaskToolkit.before_save`: refuse to checkpoint non-finite weights;
 - :meth:`~TaskToolkit.nonfinite_metrics`: the ``skipped_nonfinite_steps`` count for the step's metrics.
@@ -14,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -60,6 +62,46 @@ class TaskToolkit:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return applied
+
+    @staticmethod
+    def masks_on_device(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer.step()`` can leave the weights and its state untouched on the device when told
+        the step is not finite: torch's fused Adam / AdamW, through the ``found_inf`` attribute that
+        ``torch.amp.GradScaler`` sets for them (the kernel skips the update and undoes the step count)."""
+        return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+            g.get("fused") for g in optimizer.param_groups
+        )
+
+    def update_then_read(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        read: Callable[[], dict[str, float]],
+        names: tuple[str, str],
+    ) -> tuple[dict[str, float], bool]:
+        """:meth:`update` with the host read after the update is issued (for :meth:`masks_on_device`
+        optimizers): the update runs on the device masked by ``loss``/``grad_norm`` being finite (0-dim
+        device tensors); then ``read()`` gives the step's host values (``names``: the keys of the loss and
+        the grad norm in them) and the same policy decides: the lr schedule advances, or the step counts as
+        skipped, or :class:`~mm_core.errors.NonFiniteError` (the update was not applied). Returns the values
+        and whether the update was applied."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        # the GradScaler protocol of torch's fused Adam/AdamW: a non-zero found_inf skips the whole update
+        optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        values = read()
+        applied = self.nonfinite.allows_update(step, values[names[0]], values[names[1]])
+        if applied:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return values, applied
 
     def after_load(self) -> None:
         """Every weight of every model was filled (a model built on the meta device holds NaN until then)."""

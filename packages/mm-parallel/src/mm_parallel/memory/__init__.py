@@ -3,7 +3,14 @@ prefetch in execution order. Each takes modules and plain arguments; none knows 
 
 from mm_parallel.memory.offload import ActivationOffloader, OffloadStats
 from mm_parallel.memory.prefetch import ExecutionOrderPrefetch
-from mm_parallel.memory.recompute import OP_GROUPS, apply_recompute, resolve_ops, selective_policy
+from mm_parallel.memory.recompute import (
+    OP_GROUPS,
+    apply_recompute,
+    read_once,
+    resolve_ops,
+    selective_policy,
+    tape_contexts,
+)
 
 __all__ = [
     "OP_GROUPS",
@@ -11,6 +18,8 @@ __all__ = [
     "ExecutionOrderPrefetch",
     "OffloadStats",
     "apply_recompute",
+    "read_once",
     "resolve_ops",
     "selective_policy",
+    "tape_contexts",
 ]

@@ -18,7 +18,7 @@ from mm_parallel.moe.experts import (
     swap_experts,
     total_comm_seconds,
 )
-from mm_parallel.moe.grouped import expert_mlp, grouped_linear, grouped_mm_supported
+from mm_parallel.moe.grouped import expert_mlp, grouped_linear, grouped_mm_supported, tokens_per_expert
 
 __all__ = [
     "CommTimer",
@@ -33,5 +33,6 @@ __all__ = [
     "load_balancing_loss",
     "shard_experts",
     "swap_experts",
+    "tokens_per_expert",
     "total_comm_seconds",
 ]

@@ -3,22 +3,62 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
 class CommTimer:
-    """Wall time and count of the all-to-all exchanges of one module (forward and backward)."""
+    """Time and count of the exchanges of one module (forward and backward), without a host sync.
 
-    seconds: float = 0.0
-    calls: int = 0
+    On CPU (gloo's collectives return when done) the wall time of each call. On an accelerator, two device
+    events recorded on the current stream around each exchange (the stream waits for the collective, so
+    the pair spans it); their elapsed times are read only when :attr:`seconds` is read (which waits for the
+    last one), and pairs that have already completed are folded in as later ones are recorded. Nothing
+    here synchronizes the device, so exchanges and compute overlap as they would untimed.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._seconds = 0.0
+        self._pending: list[tuple[Any, Any]] = []  # (start, end) device events not yet read
 
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.calls, self._seconds, self._pending = 0, 0.0, []
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent in the exchanges so far (waits for the device events still pending)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+        self._pending = []
+        return self._seconds
+
+    def start(self, device: torch.device) -> Any:
+        """Before an exchange on ``device``: a token for :meth:`stop`."""
+        if device.type == "cpu":
+            return time.perf_counter()
+        event = torch.Event(device=device, enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, token: Any) -> None:
+        """After the exchange started with :meth:`start`."""
+        self.calls += 1
+        if isinstance(token, float):
+            self._seconds += time.perf_counter() - token
+            return
+        end = torch.Event(device=token.device, enable_timing=True)
+        end.record()
+        waiting = []
+        for start, stop in self._pending:
+            if stop.query():  # completed (query() does not wait)
+                self._seconds += start.elapsed_time(stop) / 1000.0
+            else:
+                waiting.append((start, stop))
+        self._pending = [*waiting, (token, end)]
 
 
 def _exchange(
@@ -29,13 +69,10 @@ def _exchange(
     timer: CommTimer | None,
 ) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    t0 = time.perf_counter()
+    token = timer.start(out.device) if timer is not None else None
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     if timer is not None:
-        if out.device.type != "cpu":
-            getattr(torch, out.device.type).synchronize()
-        timer.seconds += time.perf_counter() - t0
-        timer.calls += 1
+        timer.stop(token)
     return out
 
 

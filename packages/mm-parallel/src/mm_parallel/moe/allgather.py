@@ -14,39 +14,32 @@ collectives are each other's backward: the gradient of an all-gather is a reduce
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mm_parallel.memory.recompute import read_once
 from mm_parallel.moe.all_to_all import CommTimer
-from mm_parallel.moe.grouped import expert_mlp
-
-
-def _timed(timer: CommTimer | None, out: torch.Tensor, t0: float) -> None:
-    if timer is None:
-        return
-    if out.device.type != "cpu":
-        getattr(torch, out.device.type).synchronize()
-    timer.seconds += time.perf_counter() - t0
-    timer.calls += 1
+from mm_parallel.moe.grouped import expert_mlp, tokens_per_expert
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    t0 = time.perf_counter()
+    token = timer.start(out.device) if timer is not None else None
     dist.all_gather_single(out, x.contiguous(), group=group)
-    _timed(timer, out, t0)
+    if timer is not None:
+        timer.stop(token)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    t0 = time.perf_counter()
+    token = timer.start(out.device) if timer is not None else None
     dist.reduce_scatter_single(out, x.contiguous(), group=group)
-    _timed(timer, out, t0)
+    if timer is not None:
+        timer.stop(token)
     return out
 
 
@@ -109,10 +102,19 @@ def allgather_experts(
     :func:`~mm_parallel.moe.grouped.expert_mlp`)."""
     tokens, k = top_k_index.shape
     n_local = gate_up_proj.shape[0]
-    # the group's largest token count (one small all-reduce; ranks differ with uneven micro-batches)
-    most = torch.tensor([tokens], device=hidden_states.device, dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    rows = int(most.item())
+    ranks = dist.get_world_size(group)
+    # every rank's token count and assignments per expert, in one small all-gather and the layer's one host
+    # read (a recomputed forward reuses it): the group's largest token count (ranks differ with uneven
+    # micro-batches) and how many rows each of this rank's experts gets
+    mine_stats = torch.cat(
+        [
+            top_k_index.new_full((1,), tokens, dtype=torch.int64),
+            tokens_per_expert(top_k_index, n_local * ranks),
+        ]
+    )
+    host = read_once(_gather(mine_stats, group, None).view(ranks, -1))
+    rows = max(r[0] for r in host)
+    local_counts = [sum(r[1 + first_expert + e] for r in host) for e in range(n_local)]
     pad = rows - tokens
     x, idx, w = hidden_states, top_k_index, top_k_weights
     if pad:
@@ -123,13 +125,22 @@ def allgather_experts(
     all_w = all_gather_rows(w, group, timer)
     with torch.no_grad():
         all_idx = _gather(idx, group, timer)
-    # the assignments of every rank's tokens that fall on this rank's experts, grouped by expert
+    # the assignments of every rank's tokens that fall on this rank's experts, grouped by expert (a stable
+    # sort puts the others, keyed past the last local expert, at the end: fixed sizes, no host sync)
     flat = all_idx.reshape(-1) - first_expert
-    mine = torch.nonzero((flat >= 0) & (flat < n_local)).squeeze(1)
-    order = mine[torch.argsort(flat[mine], stable=True)]
+    key = torch.where((flat >= 0) & (flat < n_local), flat, torch.full_like(flat, n_local))
+    order = torch.argsort(key, stable=True)[: sum(local_counts)]
     token_of = order // k
-    counts = torch.bincount(flat[order], minlength=n_local)
-    y = expert_mlp(all_x[token_of], gate_up_proj, down_proj, counts, glu, use_grouped_mm=use_grouped_mm)
+    counts = tokens_per_expert(key[order], n_local)
+    y = expert_mlp(
+        all_x[token_of],
+        gate_up_proj,
+        down_proj,
+        counts,
+        glu,
+        use_grouped_mm=use_grouped_mm,
+        host_counts=local_counts,
+    )
     weights = all_w.reshape(-1)[order].to(y.dtype)
     partial = all_x.new_zeros(all_x.shape).index_add(0, token_of, (y * weights[:, None]).to(all_x.dtype))
     out = reduce_scatter_rows(partial, group, timer)

@@ -47,7 +47,9 @@ def load_balancing_loss(
         probs = torch.softmax(logits.float(), dim=-1)
         selected = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
         if mask is None:
-            counts += torch.bincount(selected, minlength=num_experts).double()
+            # a fixed-size count (bincount's output size depends on the values: a host sync on a device)
+            ones = torch.ones_like(selected, dtype=counts.dtype)
+            counts += torch.zeros_like(counts).scatter_add_(0, selected, ones)
             prob_sum = prob_sum + probs.sum(dim=0)
             rows += probs.shape[0]
         else:

@@ -25,9 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mm_parallel.device import group_backend
+from mm_parallel.memory.recompute import read_once
 from mm_parallel.moe.all_to_all import CommTimer, all_to_all, exchange_counts
 from mm_parallel.moe.allgather import allgather_experts
-from mm_parallel.moe.grouped import expert_mlp
+from mm_parallel.moe.grouped import expert_mlp, tokens_per_expert
 
 #: how tokens reach the ranks of their experts (``parallel.ep_plan.dispatcher``)
 DISPATCHERS = ("alltoall", "allgather")
@@ -166,7 +167,7 @@ class ExpertParallelExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert (hence by destination rank)
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = tokens_per_expert(flat, self.num_experts)
         x = hidden_states[token_of]
         w1, w2 = _local(self.gate_up_proj), _local(self.down_proj)
         if self.ep_size == 1:
@@ -186,15 +187,25 @@ class ExpertParallelExperts(nn.Module):
         send = counts.view(ep, n_local)
         # recv[s, e]: rows that source rank s sends to my local expert e
         recv = exchange_counts(send, group, self.comm_timer)
-        in_splits = send.sum(1).tolist()
-        out_splits = recv.sum(1).tolist()
+        # the exchange's split sizes (and the local experts' row counts, for the loop of plain products) in
+        # this layer's one host sync; a recomputed forward reuses them (read_once), the backward keeps them
+        sizes = read_once(torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]))
+        in_splits, out_splits, local_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
         received = all_to_all(x, out_splits, in_splits, group, self.comm_timer)
         # received rows are ordered (source rank, local expert); regroup them by local expert
         expert_of_row = torch.repeat_interleave(
-            torch.arange(n_local, device=x.device).repeat(ep), recv.reshape(-1)
+            torch.arange(n_local, device=x.device).repeat(ep), recv.reshape(-1), output_size=sum(out_splits)
         )
         perm = torch.argsort(expert_of_row, stable=True)
-        y = expert_mlp(received[perm], w1, w2, recv.sum(0), self.glu, use_grouped_mm=self.use_grouped_mm)
+        y = expert_mlp(
+            received[perm],
+            w1,
+            w2,
+            recv.sum(0),
+            self.glu,
+            use_grouped_mm=self.use_grouped_mm,
+            host_counts=local_counts,
+        )
         y = y[torch.argsort(perm)]
         return all_to_all(y, in_splits, out_splits, group, self.comm_timer)
 

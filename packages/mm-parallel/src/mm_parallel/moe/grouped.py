@@ -1,12 +1,27 @@
 """Expert MLPs on rows grouped by expert: one grouped matrix product per projection where the backend has
-one (``torch.nn.functional.grouped_mm``), a loop of plain matrix products otherwise; same result."""
+one (``torch.nn.functional.grouped_mm``), a loop of plain matrix products otherwise; same result.
+
+The grouped product takes the group sizes as a device tensor (no host sync); the loop needs them on the host,
+read once per expert MLP (:func:`~mm_parallel.memory.read_once`, so not again when the forward is
+recomputed) unless the caller has them already."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from mm_parallel.memory.recompute import read_once
+
+
+def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``expert_ids`` (any shape, values in ``0 .. num_experts - 1``) go to each expert: a fixed
+    ``[num_experts]`` int64 count on the device (``bincount``'s output size depends on the values, which
+    costs a host sync on an accelerator; this does not)."""
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -28,19 +43,27 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, use_grouped_mm: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    use_grouped_mm: bool | None = None,
+    host_counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ weight[g].T``.
 
     ``x`` is ``[rows, k]`` with rows sorted by group; ``counts[g]`` rows belong to group ``g`` (zero is fine);
-    ``weight`` is ``[groups, n, k]`` (the ``nn.Linear`` layout of each group).
+    ``weight`` is ``[groups, n, k]`` (the ``nn.Linear`` layout of each group). ``host_counts``: the same
+    counts on the host, when the caller has them (the loop reads ``counts`` otherwise; the grouped product
+    never needs them).
     """
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, weight)
     if use_grouped_mm:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return F.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offs)
-    pieces = torch.split(x, counts.tolist(), dim=0)
+    sizes = list(host_counts) if host_counts is not None else read_once(counts)
+    pieces = torch.split(x, sizes, dim=0)
     outs = [F.linear(piece, weight[g]) for g, piece in enumerate(pieces)]
     return torch.cat(outs, dim=0) if outs else x.new_zeros((0, weight.shape[-2]))
 
@@ -53,11 +76,22 @@ def expert_mlp(
     glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     use_grouped_mm: bool | None = None,
+    host_counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The gated expert MLP ``down(glu(gate(x), up(x)))`` for rows grouped by expert, with fused weights
     ``gate_up_proj [experts, 2 * inter, hidden]`` (gate rows first) and ``down_proj [experts, hidden,
     inter]`` (transformers' layout). ``glu`` is the gated unit: ``act(gate) * up`` for SwiGLU
-    (:meth:`ExpertParallelExperts.glu <mm_parallel.moe.ExpertParallelExperts.glu>`), or a clamped one."""
-    gate_up = grouped_linear(x, gate_up_proj, counts, use_grouped_mm=use_grouped_mm)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return grouped_linear(glu(gate, up), down_proj, counts, use_grouped_mm=use_grouped_mm)
+    (:meth:`ExpertParallelExperts.glu <mm_parallel.moe.ExpertParallelExperts.glu>`), or a clamped one.
+    ``host_counts``: ``counts`` on the host if the caller has them (see :func:`grouped_linear`); without
+    them the loop of plain products reads them once for both projections."""
+    sizes = host_counts
+
+    def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        nonlocal sizes
+        grouped = grouped_mm_supported(inputs, weight) if use_grouped_mm is None else use_grouped_mm
+        if not grouped and sizes is None:
+            sizes = read_once(counts)
+        return grouped_linear(inputs, weight, counts, use_grouped_mm=grouped, host_counts=sizes)
+
+    gate, up = linear(x, gate_up_proj).chunk(2, dim=-1)
+    return linear(glu(gate, up), down_proj)
