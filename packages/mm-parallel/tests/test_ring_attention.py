@@ -21,7 +21,10 @@ def _check_against_reference(
     tol: float,
     tile: int,
     v_dim: int = 8,
+    plain: bool = False,
 ) -> None:
+    """``plain``: one document per row and padding at its end (the fused kernels run without a mask);
+    else packed documents (masked, ``tile`` query rows at a time)."""
     torch.manual_seed(0)
     b, s, d = 2, 48, 8
     q = torch.randn(b, heads, s, d, dtype=dtype)
@@ -29,6 +32,8 @@ def _check_against_reference(
     v = torch.randn(b, kv_heads, s, v_dim, dtype=dtype)
     w = torch.randn(b, s, heads, v_dim, dtype=dtype)
     segments = packed_segments(b, s, pad=5, seed=1)
+    if plain:
+        segments = torch.where(segments >= 0, 0, segments)
     scale = d**-0.5
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -36,6 +41,7 @@ def _check_against_reference(
     (ref * w).sum().backward()
 
     layout = layout_for(segments, ring, ulysses)
+    assert layout.is_causal_only() == plain
     local = [layout.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, layout, scale, tile=tile)
     (out * layout.shard(w, dim=1)).sum().backward()
@@ -48,6 +54,8 @@ def _check_against_reference(
 def _ring_worker(rank: int, world: int, ring: int, ulysses: int, heads: int, kv_heads: int) -> None:
     _check_against_reference(ring, ulysses, heads, kv_heads, torch.float64, 1e-10, tile=7)
     _check_against_reference(ring, ulysses, heads, kv_heads, torch.float32, 2e-5, tile=1024)
+    _check_against_reference(ring, ulysses, heads, kv_heads, torch.float64, 1e-10, tile=7, plain=True)
+    _check_against_reference(ring, ulysses, heads, kv_heads, torch.float32, 2e-5, tile=1024, plain=True)
 
 
 @pytest.mark.parametrize("ring", [2, 4])

@@ -27,7 +27,11 @@ def context_parallel_attention(
     The values may be narrower or wider than the queries and keys (multi-head latent attention: DeepSeek-V3
     and Kimi K2.5 attend with 192-wide queries and keys over 128-wide values): the narrower side is padded
     with zeros, which changes no score (zero columns of ``q``/``k``) and no output (zero columns of ``v`` are
-    cut off again), so the kernels below see one width."""
+    cut off again), so the kernels below see one width.
+
+    Each block of work is one fused kernel call on the tensors' device type
+    (:mod:`mm_parallel.kernels.attention_lse`), in the inputs' dtype; ``tile`` bounds the query rows per call
+    when a mask must be built (packed documents)."""
     b, heads, _, dim = q.shape
     kv_heads, v_dim = k.shape[1], v.shape[-1]
     if heads % kv_heads:
@@ -48,10 +52,7 @@ def context_parallel_attention(
         q = seq_to_heads(q, layout.ulysses_group, size)
         k = seq_to_heads(k, layout.ulysses_group, size)
         v = seq_to_heads(v, layout.ulysses_group, size)
-    local_heads, local_kv = q.shape[1], k.shape[1]
-    n = q.shape[2]
-    out = ring_attention(q.reshape(b, local_kv, local_heads // local_kv, n, dim), k, v, layout, scale, tile)
-    out = out.reshape(b, local_heads, n, dim)
+    out = ring_attention(q, k, v, layout, scale, tile)
     if size > 1:
         assert layout.ulysses_group is not None  # checked above
         out = heads_to_seq(out, layout.ulysses_group, size)

@@ -68,6 +68,8 @@ class SequenceLayout:
     ulysses_rank: int
     ring_group: dist.ProcessGroup | None = None
     ulysses_group: dist.ProcessGroup | None = None
+    #: every row one document with padding only at its end (see is_causal_only); None: found on first use
+    causal_only: bool | None = None
 
     def __post_init__(self) -> None:
         multiple = pad_multiple(self.ring_size, self.ulysses_size)
@@ -90,6 +92,19 @@ class SequenceLayout:
         index = self.ring_index(self.ring_rank)
         per_rank = index.numel() // self.ulysses_size
         return index[self.ulysses_rank * per_rank : (self.ulysses_rank + 1) * per_rank]
+
+    def is_causal_only(self) -> bool:
+        """Whether the mask of every row is plain causal attention over its real tokens: one segment id per
+        row and padding only after it (the real queries then never reach a padding key). Attention then runs
+        the fused kernels without any mask. Unless given as ``causal_only``, it is found on the device and
+        read once per layout: one host sync per micro-batch, shared by every attention layer."""
+        if self.causal_only is None:
+            seg = self.segments
+            real = seg != PAD_SEGMENT
+            suffix = (real[:, 1:] <= real[:, :-1]).all()
+            one_doc = ((seg == seg[:, :1]) | ~real).all()
+            self.causal_only = bool(suffix & one_doc)
+        return self.causal_only
 
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's shard of a full-length tensor (the sequence along ``dim``)."""
