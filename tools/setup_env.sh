@@ -37,12 +37,15 @@ if [[ "$MM_DEPS" == pinned ]]; then PINS=(-c constraints.txt); else PINS=(--upgr
 "${PIP[@]}" install "torch==2.13.0"
 # torch stays the CPU build 2.13.0 in both modes (an eager upgrade would pull the newest CUDA build)
 "${PIP[@]}" install "${PINS[@]}" "torch==2.13.0" \
-  -e packages/mm-parallel -e "packages/mm-core[lora]" -e packages/mm-models-qwen -e packages/mm-data-text \
+  -e packages/mm-parallel -e "packages/mm-core[lora,wandb,swanlab]" -e packages/mm-models-qwen -e packages/mm-data-text \
   -e packages/mm-data-vlm -e packages/mm-models-kimi -e packages/mm-models-minimax \
   -e packages/mm-models-step -e packages/mm-data-audio \
   -e "packages/mm-models-funasr[paraformer]" -e packages/mm-models-video -e packages/mm-data-video \
   -e packages/mm-models-cosyvoice \
   "pytest>=8" "hatchling>=1.25" "ruff==0.17.6" "mypy==2.4.1" "types-PyYAML"
+# swanlab pulls in the deprecated pynvml shim, whose .pth redirect warns (FutureWarning) at every import of
+# torch.cuda; nvidia-ml-py, installed beside it, provides the same pynvml module without it
+"${PIP[@]}" uninstall -y pynvml >/dev/null
 if [[ $freeze -eq 1 ]]; then
   { grep '^#' constraints.txt; "${PIP[@]}" freeze --exclude-editable | sed 's/+cpu$//'; } > constraints.txt.new
   mv constraints.txt.new constraints.txt

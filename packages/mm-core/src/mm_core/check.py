@@ -153,6 +153,8 @@ def run_check(
     import_plugins(cfg.training.plugin)
     sizes = resolve_sizes(cfg.parallel, world_size)
     data_register.get(cfg.data.dataset_param.dataset_type)
+    if cfg.data.eval_dataset_param is not None:  # (its data is verified by run_preflight below)
+        data_register.get(cfg.data.eval_dataset_param.dataset_type)
     if cfg.data.dataloader_param.collate_param.name:
         collator_register.get(cfg.data.dataloader_param.collate_param.name)
     optimizer_register.get(cfg.training.optimizer)

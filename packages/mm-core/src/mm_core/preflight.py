@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from mm_core.config.schema import MMConfig, ModelConfig, TrainingConfig
+from mm_core.config.schema import DataConfig, MMConfig, ModelConfig, TrainingConfig
 from mm_core.errors import CheckpointError, ConfigError
 
 GiB = 2**30
@@ -50,10 +50,24 @@ def run_preflight(cfg: MMConfig, out: Callable[..., object] = print) -> None:
 
 # ------------------------------------------------------------------------------------------------ data
 def check_data(cfg: MMConfig) -> list[str]:
-    """The dataset's preflight hook, or a full build for a dataset without one."""
+    """The dataset's preflight hook, or a full build for a dataset without one; the same for the validation
+    data (``data.eval_dataset_param``) when there is one."""
+    lines = _check_dataset("data", cfg.data, cfg.training.seed)
+    if cfg.data.eval_dataset_param is not None:
+        from mm_core.errors import MMError
+        from mm_core.train.evaluation import KEY, eval_data_config
+
+        try:
+            lines += _check_dataset("eval data", eval_data_config(cfg), cfg.training.seed)
+        except MMError as exc:
+            raise type(exc)(f"{KEY} (the validation data): {exc}") from None
+    return lines
+
+
+def _check_dataset(label: str, data: DataConfig, seed: int) -> list[str]:
     from mm_core.registry import data_register
 
-    dp = cfg.data.dataset_param
+    dp = data.dataset_param
     factory = data_register.get(dp.dataset_type)
     hook = getattr(factory, "preflight", None)
     if callable(hook):
@@ -64,12 +78,12 @@ def check_data(cfg: MMConfig) -> list[str]:
                 dataset_param=dp,
             )
         )
-        return _label("data", [f"{dp.dataset_type}: {lines[0]}" if lines else dp.dataset_type, *lines[1:]])
+        return _label(label, [f"{dp.dataset_type}: {lines[0]}" if lines else dp.dataset_type, *lines[1:]])
     from mm_core.data.builder import build_dataset
 
-    dataset = build_dataset(cfg.data, cfg.training.seed)
+    dataset = build_dataset(data, seed)
     return _label(
-        "data",
+        label,
         [f"{dp.dataset_type}: {len(dataset):,} samples (built in full: the dataset has no preflight hook)"],
     )
 

@@ -160,6 +160,10 @@ class DataloaderParam(Block):
 class DataConfig(Block):
     dataset_param: DatasetParam
     dataloader_param: DataloaderParam = Field(default_factory=DataloaderParam)
+    #: the validation data (the ``dataset_param`` schema; several sources as ``basic_parameters.dataset``
+    #: entries): its loss is computed every ``training.eval_interval`` steps and at the end (see
+    #: mm_core.train.evaluation); read in index order, every sample once, its ``weights`` not applied
+    eval_dataset_param: DatasetParam | None = None
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -285,6 +289,11 @@ class TrainingConfig(Block):
     no_save_optim: bool = False
     no_save_rng: bool = False
     log_interval: int = Field(1, ge=1)
+    #: with ``data.eval_dataset_param``: evaluate every this many steps (and at the last step)
+    eval_interval: int = Field(1000, ge=1)
+    #: global batches (micro_batch_size x gradient_accumulation_steps x data-parallel ranks samples, or
+    #: token-budget micro-batches) each evaluation reads from the start of the eval set; null: all of it
+    eval_iters: int | None = Field(None, ge=1)
     use_deter_comp: bool = False
     plugin: list[str] = Field(default_factory=list)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -360,8 +369,44 @@ class _StepWindow(Block):
         return v
 
 
+class StaticProfileParam(Block):
+    """``tools.profile.static_param``: MindSpeed-MM's spelling of the profiled window and its options. Its
+    window is ``[start_step, end_step)`` (``start_step: 0``: from the first step); mm folds every key given
+    into :class:`ProfileConfig` (an inclusive window from step 1), so both spellings mean the same run."""
+
+    level: Literal["level_none", "level0", "level1", "level2"] | None = None
+    with_stack: bool | None = None
+    with_memory: bool | None = None
+    record_shapes: bool | None = None
+    with_cpu: bool | None = None
+    save_path: str | None = None
+    start_step: int | None = Field(None, ge=0)
+    end_step: int | None = Field(None, ge=1)
+    data_simplification: bool | None = None
+    aic_metrics_type: str | None = None
+    analyse_flag: bool | None = None
+
+    @field_validator("analyse_flag")
+    @classmethod
+    def _analysed(cls, v: bool | None) -> bool | None:
+        if v is False:
+            raise ValueError(
+                "mm always writes the analysed result (a Chrome trace and an operator table) when the window "
+                "ends; offline-only collection is not offered, so only true (or leaving it out) is accepted"
+            )
+        return v
+
+
+#: what :class:`StaticProfileParam` keys become in :class:`ProfileConfig` (the window is converted apart)
+_STATIC_SAME = ("level", "with_stack", "with_memory", "record_shapes", "with_cpu", "save_path",
+                "data_simplification", "aic_metrics_type")  # fmt: skip
+
+
 class ProfileConfig(_StepWindow):
     enable: bool = False
+    #: MindSpeed-MM's profiler kind: ``static`` (a fixed step window, what mm records); ``dynamic`` (started
+    #: and stopped from outside through torch_npu's dynamic_profile control file) is refused
+    profile_type: Literal["static"] = "static"
     ranks: list[int] = Field(default_factory=lambda: [0])
     start_step: int = Field(1, ge=1)
     end_step: int = Field(2, ge=1)
@@ -369,25 +414,138 @@ class ProfileConfig(_StepWindow):
     record_shapes: bool = False
     with_stack: bool = False
     with_memory: bool = False
+    #: record host (CPU) activity; null: always on a CPU run, and beside the device activity elsewhere
+    with_cpu: bool | None = None
+    #: Ascend NPU only (torch_npu's experimental config): the collection level, the AI Core metrics
+    #: (``AiCMetrics`` member name, e.g. PipeUtilization) and data simplification; noted and unused elsewhere
+    level: Literal["level_none", "level0", "level1", "level2"] | None = None
+    aic_metrics_type: str | None = None
+    data_simplification: bool | None = None
+    static_param: StaticProfileParam | None = None
+
+    @field_validator("profile_type", mode="before")
+    @classmethod
+    def _static_only(cls, v: Any) -> Any:
+        if v == "dynamic":
+            raise ValueError(
+                "dynamic profiling (torch_npu's dynamic_profile, steered by a control file while the job "
+                "runs) is not supported; use static with start_step/end_step (or static_param)"
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_static_param(cls, data: Any) -> Any:
+        """``static_param.*`` given: its keys set the flat ones; a key given both ways must agree."""
+        if not isinstance(data, dict) or not isinstance(data.get("static_param"), dict):
+            return data
+        static = StaticProfileParam.model_validate(data["static_param"])
+        given = static.model_dump(exclude_none=True)
+        out = dict(data)
+        folded = {k: given[k] for k in _STATIC_SAME if k in given}
+        if "start_step" in given:
+            folded["start_step"] = max(given["start_step"], 1)  # [0, ...) and [1, ...) both start at step 1
+        if "end_step" in given:
+            first = folded.get("start_step", data.get("start_step", 1))
+            # [start, end) counts steps from 1; [0, end) is the first `end` steps (MindSpeed-MM's profiler:
+            # skip start - 1 steps, record end - start)
+            last = given["end_step"] - (0 if given.get("start_step") == 0 else 1)
+            if last < first:
+                raise ValueError(
+                    f"static_param.end_step: {given['end_step']} profiles no step; the window is "
+                    f"[start_step, end_step), so it must be > {first}"
+                )
+            folded["end_step"] = last
+        for key, value in folded.items():
+            if key in data and data[key] != value:
+                raise ValueError(
+                    f"{key}: {data[key]!r} disagrees with static_param.{key} (read as {value!r}); "
+                    "give it once"
+                )
+            out[key] = value
+        return out
 
 
 class MemoryProfileConfig(_StepWindow):
     enable: bool = False
     ranks: list[int] = Field(default_factory=lambda: [0])
+    #: MindSpeed-MM's name of ``ranks`` (give one of them)
+    dump_ranks: list[int] | None = None
     start_step: int = Field(1, ge=1)
     end_step: int = Field(2, ge=1)
     save_path: str | None = None
+    #: allocator history frames (accelerators): ``python`` frames only, or ``all`` (with C++ frames)
+    stacks: Literal["python", "all"] = "all"
+    #: allocation/free events kept in the history (accelerators); null: 100,000
+    max_entries: int | None = Field(None, ge=1)
+    #: also log the memory of every profiled step (allocated/reserved/peak, or the RSS on a CPU)
+    mem_info: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dump_ranks(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("dump_ranks") is not None:
+            if "ranks" in data and list(data["ranks"]) != list(data["dump_ranks"]):
+                raise ValueError(
+                    f"ranks {data['ranks']} and dump_ranks {data['dump_ranks']} disagree; give one"
+                )
+            data = {**data, "ranks": data["dump_ranks"]}
+        return data
 
 
 class TensorboardConfig(Block):
     enable: bool = False
     log_dir: str | None = None
+    #: MindSpeed-MM's name of ``log_dir`` (give one of them)
+    dir: str | None = None
+    #: accepted for MindSpeed-MM configs; as there, unused: scalars are written at each logged step
+    #: (``training.log_interval``)
+    interval: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_dir(self) -> TensorboardConfig:
+        if self.dir is not None and self.log_dir is not None and self.dir != self.log_dir:
+            raise ValueError(f"log_dir {self.log_dir!r} and dir {self.dir!r} disagree; give one")
+        return self
+
+    @property
+    def folder(self) -> str | None:
+        """Where the events go (``log_dir`` or ``dir``; None: ``<output_dir>/tb``)."""
+        return self.log_dir or self.dir
+
+
+class WandbConfig(Block):
+    """``tools.wandb``: scalars and the run's config to Weights & Biases (``pip install mm-core[wandb]``),
+    from rank 0."""
+
+    enable: bool = False
+    project: str | None = None
+    #: the run's name (null: the output folder's name)
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
+    #: where wandb keeps its files (null: ``<output_dir>``)
+    dir: str | None = None
+
+
+class SwanlabConfig(Block):
+    """``tools.swanlab``: scalars and the run's config to SwanLab (``pip install mm-core[swanlab]``), from
+    rank 0."""
+
+    enable: bool = False
+    project: str | None = None
+    #: the experiment's name (null: the output folder's name)
+    name: str | None = None
+    mode: Literal["cloud", "local", "offline", "disabled"] = "cloud"
+    #: where SwanLab keeps its files (null: ``<output_dir>/swanlog``)
+    logdir: str | None = None
 
 
 class ToolsConfig(Block):
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     memory_profile: MemoryProfileConfig = Field(default_factory=MemoryProfileConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    swanlab: SwanlabConfig = Field(default_factory=SwanlabConfig)
     #: peak TFLOP/s of one device for ``mfu`` in metrics.jsonl (null: mm's table of known accelerators in bf16
     #: or fp16; no ``mfu`` on other devices, e.g. a CPU)
     peak_tflops: float | None = Field(None, gt=0)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +164,10 @@ class TaskContext:
     #: what :func:`mm_core.tasks.build_model` resolved for each model (the lines ``mm check`` prints too),
     #: logged by the trainer once the run is set up
     build_log: list[str] = field(default_factory=list)
+    #: the names of the training data's sources when it mixes several (``basic_parameters.dataset``
+    #: entries); each micro-batch then carries each row's source index under
+    #: :data:`mm_core.data.sources.SOURCE_KEY` for a task that sets :attr:`Task.reads_sources`
+    sources: tuple[str, ...] = ()
 
     @property
     def param(self) -> dict[str, Any]:
@@ -204,6 +208,9 @@ class Task(ABC):
     #: a line mm prints once the run is set up (after a resume), e.g. where the standard task's chunked
     #: loss goes; None: nothing
     setup_note: str | None = None
+    #: whether the micro-batches may carry each row's source index (:data:`mm_core.data.sources.SOURCE_KEY`,
+    #: with mixed sources) for losses per source; a task that sets it takes the key out of the batch
+    reads_sources: bool = False
 
     def __init__(self, ctx: TaskContext) -> None:
         self.ctx = ctx
@@ -234,6 +241,20 @@ class Task(ABC):
 
     def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
         """Called after every step, once its metrics are logged and its checkpoint (if any) started."""
+
+    def eval_step(
+        self, micro_batches: Iterable[dict[str, Any]], sources: Sequence[str] = ()
+    ) -> dict[str, float]:
+        """The validation loss on ``micro_batches`` (``data.eval_dataset_param``; an iterable read once, the
+        same number on every rank), global over ranks:
+        ``{"loss": ..., "loss/<source>": ...}`` (``sources``: the names of the eval data's sources, when it
+        has several). Called with the models as training left them; it must change no training state
+        (mm saves and restores the random generators around it). A task without it cannot evaluate."""
+        raise ConfigError(
+            f"data.eval_dataset_param: the training task {type(self).__name__} "
+            f"({self.ctx.cfg.training.task!r}) has no eval_step, so it cannot compute a validation loss; "
+            "remove data.eval_dataset_param"
+        )
 
 
 def task_class(name: str) -> Callable[[TaskContext], Task]:

@@ -12,6 +12,7 @@ sync after clipping.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from mm_core.data import move_to_device
+from mm_core.data.sources import SOURCE_KEY
 from mm_core.errors import ConfigError, DataError
 from mm_core.models.output import output_field
 from mm_core.models.plan import plan_of
@@ -31,10 +33,10 @@ from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
 from mm_core.parallel.experts import router_aux_for
 from mm_core.tasks.base import MAIN, StepResult, Task, TaskParts
 from mm_core.tasks.building import build_model
-from mm_core.tasks.stats import start_read, sum_over_ranks
+from mm_core.tasks.stats import read_on_host, start_read, sum_over_ranks
 from mm_core.tasks.toolkit import TaskToolkit
 from mm_core.train.flops import StepFlops
-from mm_core.train.loss import count_units, loss_sum, loss_weights, shift_labels
+from mm_core.train.loss import count_units, loss_sum_and_rows, loss_weights, row_units, shift_labels
 from mm_core.train.metrics import peak_memory_gb
 from mm_parallel.memory.chunked_loss import ChunkedLossHead
 
@@ -46,12 +48,14 @@ class _Prepared(NamedTuple):
     targets: torch.Tensor | None  # the loss targets (None for loss_type: raw)
     units: torch.Tensor  # this rank's loss units, 0-dim on the device
     tokens: torch.Tensor  # this rank's input tokens, 0-dim on the device
+    sources: torch.Tensor | None = None  # each row's source index (mixed sources; see mm_core.data.sources)
 
 
 class StandardTask(Task):
     """One model, one optimizer, one loss (module docstring)."""
 
     _flops: torch.Tensor  # this rank's model FLOPs of the current step (see mm_core.train.flops)
+    reads_sources = True  # losses per source (loss/<source>) with mixed training data
 
     def build(self) -> TaskParts:
         cfg, tcfg, state = self.ctx.cfg, self.ctx.cfg.training, self.ctx.state
@@ -79,6 +83,8 @@ class StandardTask(Task):
         self.flops = StepFlops.of(self.model, plan)
         self.loss_parts = plan.model_plan.loss_parts
         self._one = torch.ones((), dtype=torch.float64, device=state.device)
+        self._by_source: torch.Tensor | None = None  # [source, (loss sum, units)] of mixed sources
+        self._uncovered = self._zero
         dtype = to_dtype(cfg.parallel.fsdp_plan.param_dtype)
         self.float_dtype = None if dtype == torch.float32 else dtype
         optimizer = build_optimizer(self.model, tcfg, plan.model_plan)
@@ -114,6 +120,7 @@ class StandardTask(Task):
         and of input tokens (0-dim tensors on the device: no host sync). Anything that reshapes the batch for
         a parallel layout belongs here, after the shift (so no target crosses a split)."""
         loss_type = self.ctx.cfg.model.loss_cfg.loss_type
+        sources = batch.pop(SOURCE_KEY, None)
         batch = move_to_device(batch, self.ctx.device, self.float_dtype)
         if loss_type == "raw":  # (context parallel: only a model that splits itself, see ModelPlan)
             return _Prepared(batch, None, self._zero, self._count_tokens(batch))
@@ -129,7 +136,36 @@ class StandardTask(Task):
             tokens = self.context.local_tokens(batch).to(self._zero)
         else:
             tokens = self._count_tokens(batch)
-        return _Prepared(batch, targets, count_units(targets, loss_type).to(torch.float64), tokens)
+        if isinstance(sources, torch.Tensor):
+            sources = sources.to(self.ctx.device) if sources.shape == targets.shape[:1] else None
+        units = count_units(targets, loss_type).to(torch.float64)
+        return _Prepared(batch, targets, units, tokens, sources)
+
+    def _add_by_source(self, targets: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None) -> None:
+        """Add each row's loss and loss units to its source's ``[loss sum, units]`` in :attr:`_by_source`
+        (rows of no known source count nowhere; a micro-batch without sources marks the step uncovered)."""
+        if self._by_source is None:
+            return
+        if sources is None:
+            self._uncovered = self._uncovered + 1.0
+            return
+        loss_type = self.ctx.cfg.model.loss_cfg.loss_type
+        known = sources >= 0
+        index = sources.clamp(min=0)
+        values = torch.stack([rows.double(), row_units(targets, loss_type).double()], dim=1)
+        self._by_source.index_add_(0, index, values * known.unsqueeze(1))
+
+    def _source_metrics(self, values: dict[str, float], names: Sequence[str]) -> dict[str, float]:
+        """``loss/<source>`` for every source with loss units in the step (none when some micro-batch's rows
+        had no sources)."""
+        if not names or values.get("uncovered", 0.0) > 0:
+            return {}
+        out = {}
+        for i, name in enumerate(names):
+            units = values[f"src:{i}:units"]
+            if units > 0:
+                out[f"loss/{name}"] = values[f"src:{i}:sum"] / units
+        return out
 
     def _count_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         """Input tokens of a micro-batch (the model plan's count, else attention-mask ones, else every
@@ -143,7 +179,12 @@ class StandardTask(Task):
         return torch.full_like(self._zero, float(batch["input_ids"].numel()))
 
     def _forward_loss(
-        self, batch: dict[str, Any], targets: torch.Tensor | None, scale: torch.Tensor, tokens: torch.Tensor
+        self,
+        batch: dict[str, Any],
+        targets: torch.Tensor | None,
+        scale: torch.Tensor,
+        tokens: torch.Tensor,
+        sources: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch (``tokens``: this rank's input tokens of it, from :meth:`_prepare`).
         Returns the loss to back-propagate and this rank's contribution to the reported loss (a sum over
@@ -155,10 +196,16 @@ class StandardTask(Task):
         vision_share = 1.0 / self.ctx.state.sizes.cp if self.context and self.context.split_module else 1.0
         loss_type = self.ctx.cfg.model.loss_cfg.loss_type
         head = self.chunked_head if targets is not None else None
+        by_row = self._by_source is not None and targets is not None and targets.dim() == 2
+        positions = (
+            torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+            if by_row and head is not None and targets is not None
+            else None
+        )
         chunked = (
             nullcontext()
             if head is None or targets is None
-            else head.computing_loss(targets, loss_weights(targets, loss_type))
+            else head.computing_loss(targets, loss_weights(targets, loss_type), positions)
         )
         with chunked:
             out, flops = self.flops.forward_flops(
@@ -197,8 +244,12 @@ class StandardTask(Task):
                     "model.loss_cfg.chunked_loss: false"
                 )
             s = logits
+            if positions is not None:
+                self._add_by_source(targets, positions.sum(dim=-1), sources)
         else:
-            s = loss_sum(logits, targets, loss_type)
+            s, rows = loss_sum_and_rows(logits, targets, loss_type)
+            if by_row:
+                self._add_by_source(targets, rows, sources)
         return self._add_router_loss(s * scale.to(s.dtype), out, batch), s.detach()
 
     def _call_model(self, batch: dict[str, Any], **kwargs: Any) -> Any:
@@ -273,11 +324,13 @@ class StandardTask(Task):
         self._parts = {
             name: torch.zeros(2, dtype=torch.float64, device=self._zero.device) for name in self.loss_parts
         }
+        names = () if raw else self.ctx.sources
+        self._start_by_source(names)
 
         loss_sum_ = self._zero
         for i, p in enumerate(prepared):
             self._defer_gradient_reduction(last=i == len(prepared) - 1)
-            loss, contrib = self._forward_loss(p.batch, p.targets, scale, p.tokens)
+            loss, contrib = self._forward_loss(p.batch, p.targets, scale, p.tokens, p.sources)
             loss.backward()
             loss_sum_ = loss_sum_ + contrib.double()
         # one collective for the step's loss sum, whether any rank was asked to stop (SIGTERM/SIGINT), the
@@ -286,6 +339,7 @@ class StandardTask(Task):
         summed = sum_over_ranks(
             {"loss_sum": loss_sum_, "stop": stop, "flops": self._flops}
             | {f"part:{name}": part for name, part in self._parts.items()}
+            | self._by_source_values()
         )
         grad_norm = self.toolkit.clip(self.model, self.clip_scale_only)
         aux = self._aux_values
@@ -304,6 +358,7 @@ class StandardTask(Task):
             stats["peak_mem_gb"] = peak
         for name in self._parts:  # (sum, count) of each loss part
             stats[f"part:{name}:sum"], stats[f"part:{name}:count"] = summed[f"part:{name}"]
+        stats.update(self._by_source_stats(summed, len(names)))
         step = self.ctx.progress.step + 1
         lr = unscaled_lr(self.optimizer)  # the rate of this step's update (training.lr_scaling_plan aside)
         pending = start_read(stats)  # the step's one host sync, waited for below
@@ -330,6 +385,7 @@ class StandardTask(Task):
             count = values[f"part:{name}:count"]
             if count:
                 metrics[name] = values[f"part:{name}:sum"] / count
+        metrics.update(self._source_metrics(values, names))
         if not self.toolkit.masks_on_device(self.optimizer):
             self.toolkit.update(self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss)
         metrics.update(self.toolkit.nonfinite_metrics())
@@ -339,3 +395,64 @@ class StandardTask(Task):
             flops=values["flops"],  # of the whole step, every rank
             peak_mem_gb=values["peak_mem_gb"] if log_memory else None,
         )
+
+    # ------------------------------------------------------------------------------- losses per source
+    def _start_by_source(self, names: Sequence[str]) -> None:
+        """Per-source ``[loss sum, units]`` for this step's (or evaluation's) micro-batches; None without
+        mixed sources."""
+        self._by_source = (
+            torch.zeros(len(names), 2, dtype=torch.float64, device=self._zero.device) if names else None
+        )
+        self._uncovered = self._zero
+
+    def _by_source_values(self) -> dict[str, torch.Tensor]:
+        if self._by_source is None:
+            return {}
+        return {"by_source": self._by_source, "uncovered": self._uncovered}
+
+    def _by_source_stats(self, summed: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+        if not count:
+            return {}
+        stats = {"uncovered": summed["uncovered"]}
+        for i in range(count):
+            stats[f"src:{i}:sum"], stats[f"src:{i}:units"] = summed["by_source"][i]
+        return stats
+
+    # ------------------------------------------------------------------------------------ evaluation
+    def eval_step(
+        self, micro_batches: Iterable[dict[str, Any]], sources: Sequence[str] = ()
+    ) -> dict[str, float]:
+        """The loss of the model on ``micro_batches`` (read one at a time) as training computes it: the same
+        loss function and normalisation (the global token-weighted mean over every rank's micro-batches; for
+        ``loss_type: raw`` the mean of the model's own loss), under ``model.eval()`` and
+        ``torch.no_grad()``; with ``sources``, ``loss/<source>`` too. No training state changes (no
+        gradient, optimizer step or FLOPs count)."""
+        raw = self.ctx.cfg.model.loss_cfg.loss_type == "raw"
+        ws = self.ctx.state.sizes.world_size
+        names = () if raw else tuple(sources)
+        was_training = self.model.training
+        flops = getattr(self, "_flops", self._zero)
+        self._flops, self._aux_values, self._aux_scale = self._zero, [], float(ws)
+        self._parts = {
+            name: torch.zeros(2, dtype=torch.float64, device=self._zero.device) for name in self.loss_parts
+        }
+        self._start_by_source(names)
+        loss_sum_, units, count = self._zero, self._zero, 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in micro_batches:
+                    p = self._prepare(batch)
+                    _, contrib = self._forward_loss(p.batch, p.targets, self._one, p.tokens, p.sources)
+                    loss_sum_ = loss_sum_ + contrib.double()
+                    units = units + p.units
+                    count += 1
+        finally:
+            self.model.train(was_training)
+            self._flops = flops
+        summed = sum_over_ranks({"loss_sum": loss_sum_, "units": units} | self._by_source_values())
+        stats = {"loss_sum": summed["loss_sum"], "units": summed["units"]}
+        stats.update(self._by_source_stats(summed, len(names)))
+        values = read_on_host(stats)
+        loss = values["loss_sum"] / (ws * max(count, 1) if raw else max(values["units"], 1.0))
+        return {"loss": loss, **self._source_metrics(values, names)}

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import threading
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mm_core.config.schema import MemoryProfileConfig
+
+log = logging.getLogger("mm")
 
 MiB = 2**20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -78,7 +81,7 @@ class MemoryProfiler:
         self.enabled = cfg.enable and rank in cfg.ranks
         self.save_dir = Path(cfg.save_path) if cfg.save_path else default_dir
         self.interval_s = interval_s
-        self.max_entries = max_entries
+        self.max_entries = cfg.max_entries or max_entries
         self.output: Path | None = None
         self._sampler: _RSSSampler | None = None
         self._steps: list[dict[str, Any]] = []
@@ -105,7 +108,7 @@ class MemoryProfiler:
             self._steps.append({"step": step, "t_start_s": time.perf_counter() - self._sampler.t0})
             self._steps[-1]["rss_start_mb"] = self._sampler.sample() / MiB
         elif not self._recording:
-            self._memory_module()._record_memory_history(max_entries=self.max_entries)
+            self._memory_module()._record_memory_history(max_entries=self.max_entries, stacks=self.cfg.stacks)
             self._recording = True
 
     def step_end(self, step: int) -> None:
@@ -119,8 +122,23 @@ class MemoryProfiler:
                 in_step = [rss for _, s, rss in self._sampler.samples if s == step]
             rec["rss_peak_mb"] = max(in_step) / MiB
             rec["samples"] = len(in_step)
+        if self.cfg.mem_info:
+            log.warning("memory_profile rank %d step %d: %s", self.rank, step, self._mem_info())
         if step >= self.cfg.end_step:
             self._finish()
+
+    def _mem_info(self) -> str:
+        """This step's memory in one line (``tools.memory_profile.mem_info``)."""
+        if self.device_type == "cpu":
+            rec = self._steps[-1] if self._steps else {}
+            return ", ".join(f"{k} {v:.1f}" for k, v in rec.items() if k.startswith("rss_"))
+        import torch
+
+        mod = getattr(torch, self.device_type)
+        return (
+            f"allocated {mod.memory_allocated() / MiB:.1f} MiB, "
+            f"reserved {mod.memory_reserved() / MiB:.1f} MiB, peak {mod.max_memory_allocated() / MiB:.1f} MiB"
+        )
 
     def _finish(self) -> None:
         self.save_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from mm_core.config.schema import ProfileConfig
+from mm_core.errors import ConfigError
+
+log = logging.getLogger("mm")
 
 
 def _npu_profiler():
@@ -25,6 +29,26 @@ def _npu_profiler():
         return importlib.import_module("torch_npu.profiler")
     except ImportError:
         return None
+
+
+def _npu_experimental(npu: Any, cfg: ProfileConfig) -> Any:
+    """torch_npu's experimental config from ``level``, ``aic_metrics_type`` and ``data_simplification``
+    (None when none is given: torch_npu's defaults)."""
+    given: dict[str, Any] = {}
+    if cfg.level is not None:
+        name = "Level_none" if cfg.level == "level_none" else cfg.level.capitalize()
+        given["profiler_level"] = getattr(npu.ProfilerLevel, name)
+    if cfg.aic_metrics_type is not None:
+        metric = getattr(npu.AiCMetrics, cfg.aic_metrics_type, None)
+        if metric is None:
+            raise ConfigError(
+                f"tools.profile.aic_metrics_type: {cfg.aic_metrics_type!r} is not a member of "
+                "torch_npu.profiler.AiCMetrics (e.g. PipeUtilization)"
+            )
+        given["aic_metrics"] = metric
+    if cfg.data_simplification is not None:
+        given["data_simplification"] = cfg.data_simplification
+    return npu._ExperimentalConfig(**given) if given else None
 
 
 class StepProfiler:
@@ -42,14 +66,29 @@ class StepProfiler:
 
     def _make(self):
         cfg = self.cfg
+        host = cfg.with_cpu is not False  # null: on
         if self.device_type == "npu" and (npu := _npu_profiler()) is not None:
             return npu.profile(
-                activities=[npu.ProfilerActivity.CPU, npu.ProfilerActivity.NPU],
+                activities=[npu.ProfilerActivity.CPU] * host + [npu.ProfilerActivity.NPU],
                 record_shapes=cfg.record_shapes,
                 with_stack=cfg.with_stack,
                 profile_memory=cfg.with_memory,
+                experimental_config=_npu_experimental(npu, cfg),
             )
-        activities = [ProfilerActivity.CPU]
+        npu_only = [
+            k for k in ("level", "aic_metrics_type", "data_simplification") if getattr(cfg, k) is not None
+        ]
+        if npu_only:
+            log.warning(
+                "tools.profile: %s apply to Ascend NPU profiling (torch_npu) only; unused on %s",
+                ", ".join(npu_only),
+                self.device_type,
+            )
+        if self.device_type == "cpu" and not host:
+            raise ConfigError(
+                "tools.profile.with_cpu: false leaves nothing to record on a CPU run; set it to true or null"
+            )
+        activities = [ProfilerActivity.CPU] if host else []
         if self.device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         return profile(

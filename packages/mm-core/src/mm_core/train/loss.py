@@ -56,3 +56,25 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_type: str) -> tor
         n = (targets != IGNORE_INDEX).sum(dim=-1)
         return (losses.sum(dim=-1) / n.clamp(min=1)).sum()
     return losses.sum()
+
+
+def loss_sum_and_rows(
+    logits: torch.Tensor, targets: torch.Tensor, loss_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`loss_sum` (the same operations, so the same value to the bit) and each row's part of it
+    (``[batch]``, detached): a row's token loss sum, or its per-sample mean for ``per_sample_loss``."""
+    losses = token_losses(logits, targets)
+    if loss_type == "per_sample_loss":
+        n = (targets != IGNORE_INDEX).sum(dim=-1)
+        rows = losses.sum(dim=-1) / n.clamp(min=1)
+        return rows.sum(), rows.detach()
+    return losses.sum(), losses.detach().sum(dim=-1)
+
+
+def row_units(targets: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """Each row's loss units (``[batch]``): its label tokens, or 1 for a row with any label
+    (``per_sample_loss``); they add up to :func:`count_units`."""
+    valid = targets != IGNORE_INDEX
+    if loss_type == "per_sample_loss":
+        return valid.any(dim=-1).long()
+    return valid.sum(dim=-1)

@@ -36,7 +36,9 @@ from mm_core.config.schema import MMConfig
 from mm_core.config.support import check_supported
 from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset
 from mm_core.data.epochs import iters_for_epochs
+from mm_core.data.sources import Sources, source_names, tag_sources
 from mm_core.errors import TrainingInterrupted
+from mm_core.models.special_tokens import prepare_tokenizer
 from mm_core.optim.resume import apply_schedule_changes
 from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.state import ParallelState, init_parallel_state
@@ -50,8 +52,8 @@ from mm_core.tasks.base import (
     check_step_result,
     task_class,
 )
-from mm_core.models.special_tokens import prepare_tokenizer
 from mm_core.tools import StepTools
+from mm_core.train.evaluation import Evaluator, is_eval_step
 from mm_core.train.flops import peak_tflops
 from mm_core.train.hf_save import hf_dir, save_hf_folder
 from mm_core.train.metrics import MetricsLogger, peak_memory_gb
@@ -121,6 +123,8 @@ class Trainer:
             seed=tcfg.seed,
         )
         self.batches = EpochIterator(self.loader)
+        # several sources (basic_parameters.dataset entries): each row's source goes with its micro-batch
+        self.train_sources = Sources.of(dataset, cfg.data.dataset_param.basic_parameters)
         if tcfg.train_epochs is not None:
             iters, note = iters_for_epochs(self.loader, tcfg.train_epochs, tcfg.grad_accum)
             tcfg.set_epoch_iters(iters)
@@ -161,7 +165,14 @@ class Trainer:
             if tcfg.save
             else None
         )
+        if self.task.reads_sources:
+            self.ctx.sources = tuple(source_names(self.train_sources))
+        self.evaluator = (
+            Evaluator(cfg, self.state, self.task) if cfg.data.eval_dataset_param is not None else None
+        )
         self._resume()
+        if self.evaluator is not None:
+            self.ctx.build_log.append(self.evaluator.describe())
         for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
             self._info(line)
         self._info(precision_note)
@@ -229,6 +240,8 @@ class Trainer:
         out = []
         for _ in range(self.cfg.training.grad_accum):
             batch = next(self.batches)
+            if self.task.reads_sources:
+                tag_sources(batch, self.train_sources)
             batch.pop("sample_id", None)
             # records a dataset skipped (data.dataset_param.on_error: skip), counted by this rank; a plain
             # int from the collator (host data), summed over ranks when a step is logged
@@ -281,13 +294,13 @@ class Trainer:
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.config_text(), encoding="utf-8")
-        tb = cfg.tools.tensorboard
         logger = MetricsLogger(
             self.out_dir,
             enabled=main,
             total_steps=tcfg.total_iters,
             start_step=self.progress.step,
-            tensorboard_dir=(Path(tb.log_dir) if tb.log_dir else self.out_dir / "tb") if tb.enable else None,
+            tools=cfg.tools,
+            run_config=cfg.model_dump(mode="json") if main else None,
             progress_bar=tcfg.progress_bar,
         )
         records: list[dict[str, Any]] = []
@@ -297,6 +310,8 @@ class Trainer:
                 while self.progress.step < tcfg.total_iters:
                     step = self.progress.step + 1
                     logged = step % tcfg.log_interval == 0 or step == tcfg.total_iters
+                    evaluate = self.evaluator is not None and is_eval_step(cfg, step, tcfg.total_iters)
+                    logged = logged or evaluate
                     tools.step_begin(step)
                     # no device synchronize: the step's own host sync waits for the previous step's update,
                     # so in a steady state this is the time per step
@@ -309,6 +324,9 @@ class Trainer:
                     self.progress.consumed_samples += self.batches.take_samples_consumed()
                     tokens = int(metrics.get("tokens", 0))
                     self.progress.consumed_tokens += tokens
+                    if evaluate:
+                        assert self.evaluator is not None
+                        metrics = {**metrics, **self.evaluator.evaluate()}
                     if logged:
                         record: dict[str, Any] = {"step": step, **metrics}
                         if "tokens" in metrics:

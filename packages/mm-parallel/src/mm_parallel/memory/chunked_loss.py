@@ -36,6 +36,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weights: torch.Tensor | None,
         chunk_size: int,
         ignore_index: int,
+        position_losses: torch.Tensor | None,
     ) -> torch.Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
@@ -57,7 +58,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
             lse = (top + sums.log()).squeeze(1)
             coef = valid.float() if weights is None else torch.where(valid, weights[start:stop].float(), 0.0)
-            total += ((lse - picked) * coef).sum()
+            losses = (lse - picked) * coef
+            total += losses.sum()
+            if position_losses is not None:
+                position_losses[start:stop] = losses
             if not (need_h or need_w or need_b):
                 continue
             # d(loss)/d(logits) = coef * (softmax - onehot(target)), built in the logits' memory
@@ -87,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy: backward ran twice (retain_graph is not supported)")
         grads, ctx.grads = ctx.grads, None
         scaled = tuple(g.mul_(grad_out.to(g.dtype)) if g is not None else None for g in grads)
-        return (*scaled, None, None, None, None)
+        return (*scaled, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -99,13 +103,15 @@ def linear_cross_entropy(
     *,
     chunk_size: int = 1024,
     ignore_index: int = -100,
+    position_losses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_i weights_i * cross_entropy(hidden_i @ weight.T + bias, targets_i)`` in fp32, positions whose
     target is ``ignore_index`` left out, computed ``chunk_size`` positions at a time.
 
     ``hidden``: ``[..., H]``; ``targets`` (and ``weights``, default 1): the leading shape of ``hidden``.
-    Returns a 0-dim fp32 tensor. The gradients are computed in the forward (only when autograd needs them),
-    so a backward must follow at most once."""
+    Returns a 0-dim fp32 tensor; ``position_losses`` (fp32, the shape of ``targets``), when given, receives
+    each position's weighted loss (no gradient; e.g. for losses per sample). The gradients are computed in
+    the forward (only when autograd needs them), so a backward must follow at most once."""
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
     if targets.shape != hidden.shape[:-1]:
@@ -119,7 +125,14 @@ def linear_cross_entropy(
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
     w = weights.reshape(-1) if weights is not None else None
-    args = (flat, weight, bias, targets.reshape(-1), w, chunk_size, ignore_index)
+    if position_losses is not None and (
+        position_losses.shape != targets.shape or position_losses.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"linear_cross_entropy: position_losses must be fp32 of the targets' shape {tuple(targets.shape)}"
+        )
+    out_losses = position_losses.view(-1) if position_losses is not None else None
+    args = (flat, weight, bias, targets.reshape(-1), w, chunk_size, ignore_index, out_losses)
     out: torch.Tensor = _LinearCrossEntropy.apply(*args)  # type: ignore[no-untyped-call]
     return out
 
@@ -149,15 +162,21 @@ class ChunkedLossHead(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.chunk_size = 1024
         self.ignore_index = -100
-        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self.calls = 0
 
     @contextmanager
-    def computing_loss(self, targets: torch.Tensor, weights: torch.Tensor | None = None) -> Iterator[None]:
+    def computing_loss(
+        self,
+        targets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        position_losses: torch.Tensor | None = None,
+    ) -> Iterator[None]:
         """Within this block the head's one call returns the summed loss of ``targets`` (``[batch, seq]``,
-        aligned with the head's input positions; ``weights``: per-position factors) as a 0-dim tensor;
-        :attr:`calls` then counts the calls (a model must call its head exactly once)."""
-        self._pending, self.calls = (targets, weights), 0
+        aligned with the head's input positions; ``weights``: per-position factors) as a 0-dim tensor, and
+        fills ``position_losses`` (fp32, the targets' shape) when given; :attr:`calls` then counts the calls
+        (a model must call its head exactly once)."""
+        self._pending, self.calls = (targets, weights, position_losses), 0
         try:
             yield
         finally:
@@ -172,7 +191,7 @@ class ChunkedLossHead(nn.Linear):
                 "the output head was called twice in one forward; the chunked loss needs a model that "
                 "projects its hidden states once (set model.loss_cfg.chunked_loss: false)"
             )
-        targets, weights = self._pending
+        targets, weights, position_losses = self._pending
         return linear_cross_entropy(
             hidden,
             self.weight,
@@ -181,6 +200,7 @@ class ChunkedLossHead(nn.Linear):
             weights,
             chunk_size=self.chunk_size,
             ignore_index=self.ignore_index,
+            position_losses=position_losses,
         )
 
     def extra_repr(self) -> str:
