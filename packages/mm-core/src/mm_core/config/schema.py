@@ -357,7 +357,6 @@ class TrainingConfig(Block):
         self._epoch_iters = iters
 
 
-
 # ------------------------------------------------------------------------------------------------ tools
 class _StepWindow(Block):
     @field_validator("end_step", check_fields=False)
@@ -535,6 +534,7 @@ class SwanlabConfig(Block):
     project: str | None = None
     #: the experiment's name (null: the output folder's name)
     name: str | None = None
+    #: ``offline``: files only, for ``swanlab sync``; ``local`` needs SwanLab's dashboard (swanlab[dashboard])
     mode: Literal["cloud", "local", "offline", "disabled"] = "cloud"
     #: where SwanLab keeps its files (null: ``<output_dir>/swanlog``)
     logdir: str | None = None
