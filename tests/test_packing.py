@@ -15,13 +15,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
 from _mm import QUICKSTART, REPO
 
-from mm_core.config.schema import DataConfig
-from mm_core.data import EpochIterator, build_collator, build_dataloader, build_dataset
+from mm_core.config.schema import DataConfig, MMConfig
+from mm_core.data import (
+    EpochIterator,
+    TokenBudgetBatchSampler,
+    build_collator,
+    build_dataloader,
+    build_dataset,
+)
 from mm_core.errors import ConfigError
 from mm_core.train.loss import IGNORE_INDEX, count_units, shift_labels, token_losses
 
@@ -51,6 +58,20 @@ def test_packing_needs_a_budget_and_a_packing_collator():
         DataConfig.model_validate(
             {"dataset_param": {"dataset_type": "x"}, "dataloader_param": {"packing": True}}
         )
+    base = {
+        "data": {
+            "dataset_param": {"dataset_type": "x"},
+            "dataloader_param": {"packing": True, "max_tokens_per_batch": 64},
+        },
+        "model": {"model_id": "qwen3", "loss_cfg": {"loss_type": "per_sample_loss"}},
+        "training": {"train_iters": 1},
+    }
+    with pytest.raises(ValueError, match="per_sample_loss would weigh as one sample"):
+        MMConfig.model_validate(base)
+    base["model"] = {"model_id": "qwen3"}
+    with pytest.raises(ValueError, match="not supported with context parallelism"):
+        MMConfig.model_validate({**base, "parallel": {"ulysses_parallel_size": 2}})
+    MMConfig.model_validate(base)
     import _plugin_datasets  # noqa: F401  (registers reference_lines)
 
     cfg = _data({**_text_data(), "dataloader_param": {}}, True, 64)
@@ -65,8 +86,9 @@ def test_sampler_fills_rows_up_to_the_budget_and_the_row_is_packed():
     cfg = _data(_text_data(), True, 64)
     ds = build_dataset(cfg, seed=1)
     lengths = ds.sample_lengths()
-    it = EpochIterator(build_dataloader(ds, build_collator(cfg, ds), cfg, micro_batch_size=1, dp_size=1,
-                                        dp_rank=0, seed=1))  # fmt: skip
+    it = EpochIterator(
+        build_dataloader(ds, build_collator(cfg, ds), cfg, micro_batch_size=1, dp_size=1, dp_rank=0, seed=1)
+    )
     seen: list[int] = []
     while len(seen) < len(ds):  # one epoch
         batch = next(it)
@@ -88,6 +110,19 @@ def test_sampler_fills_rows_up_to_the_budget_and_the_row_is_packed():
         assert batch["labels"][0].tolist() == labels.tolist()
         seen += ids
     assert seen == list(range(len(seen)))  # the order is kept (buffer 1, no shuffle)
+    # a row is filled by the sum of the lengths, also when the samples after the first are shorter
+    sampler = TokenBudgetBatchSampler(
+        np.array([11, 5, 10, 16, 3]),
+        dp_size=1,
+        dp_rank=0,
+        max_tokens=42,
+        buffer=1,
+        shuffle=False,
+        seed=0,
+        drop_last=False,
+        packed=True,
+    )
+    assert list(sampler) == [[0, 1, 2, 3], [4]]
 
 
 # ---------------------------------------------------------------------------------------------- parity
@@ -164,3 +199,42 @@ def test_qwen3_asr_packed_matches_padded(tmp_path: Path):
 
 
 assert QUICKSTART.exists()
+
+
+# --------------------------------------------------------------------------------------- mm train, 2 ranks
+def test_two_rank_training_packed_matches_padded(tmp_path_factory):
+    """``mm train`` on 2 ranks (FSDP), 3 steps: each step reads all 8 samples, as 2 padded micro-batches of
+    4 (budget 64 = 4 x 16) or as 2 packed rows of 4 samples each (35 and 42 tokens, budget 42). The same
+    samples per step give the same losses, gradient norms and token counts."""
+    from _mm import assert_close_series, train_layouts
+
+    raw = yaml.safe_load(QUICKSTART.read_text(encoding="utf-8"))
+    raw["data"] = _text_data()
+    raw["data"]["dataset_param"]["basic_parameters"]["num_samples"] = 8
+    raw["data"]["dataloader_param"].update(shuffle=False, dynamic_batch_buffer=1)
+    raw["training"].update(plugin=["_plugin_datasets"], train_iters=3, gradient_accumulation_steps=1)
+    config = tmp_path_factory.mktemp("cfg") / "packing.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    common = [
+        "training.log_interval=1",
+        "training.seed=5",
+        "training.lr_warmup_ratio=0.0",
+        "training.progress_bar=false",
+        "training.save=null",
+        "tools.tensorboard.enable=false",
+    ]
+    runs = train_layouts(
+        tmp_path_factory,
+        config,
+        [
+            ("padded", 2, [f"{KEY.replace('packing', 'max_tokens_per_batch')}=64"]),
+            ("packed", 2, [f"{KEY.replace('packing', 'max_tokens_per_batch')}=42", f"{KEY}=true"]),
+        ],
+        common,
+        timeout=300,
+    )
+    padded, packed = runs["padded"], runs["packed"]
+    assert len(padded) == len(packed) == 3
+    for field in ("loss", "grad_norm"):
+        assert_close_series([r[field] for r in packed], [r[field] for r in padded], 1e-5, field)
+    assert [r["tokens"] for r in packed] == [r["tokens"] for r in padded] == [77] * 3

@@ -560,3 +560,23 @@ class MMConfig(Block):
     model: ModelConfig
     training: TrainingConfig
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+
+    @model_validator(mode="after")
+    def _packing_fits(self) -> MMConfig:
+        """A packed row holds several samples: no per-sample loss, no context split of the row."""
+        if not self.data.dataloader_param.packing:
+            return self
+        if self.model.loss_cfg.loss_type == "per_sample_loss":
+            raise ValueError(
+                "data.dataloader_param.packing: true packs several samples into one row, which "
+                "model.loss_cfg.loss_type: per_sample_loss would weigh as one sample; use per_token_loss "
+                "(the default) or packing: false"
+            )
+        cp = self.parallel.ulysses_parallel_size * self.parallel.ring_attention_size
+        if cp > 1:
+            raise ValueError(
+                "data.dataloader_param.packing: true is not supported with context parallelism "
+                f"(parallel.ulysses_parallel_size x ring_attention_size = {cp}): the split of a packed row "
+                "does not carry its sample boundaries; set packing: false or both sizes to 1"
+            )
+        return self

@@ -269,7 +269,8 @@ def _fit(lengths: npt.NDArray[np.int64], lo: int, budget: int, packed: bool = Fa
     """How many samples from ``lo`` make one micro-batch: the longest run with ``count * longest <= budget``
     (``sum of lengths <= budget`` when ``packed``; ``lengths[lo] <= budget``). The window doubles, so a batch
     of ``m`` samples costs ``O(m)``."""
-    cap = min(budget // int(lengths[lo]), len(lengths) - lo)
+    # every sample has at least 1 token; count * longest also bounds count by budget // lengths[lo]
+    cap = min(budget if packed else budget // int(lengths[lo]), len(lengths) - lo)
     width = min(cap, 64)
     while True:
         run = lengths[lo : lo + width]
