@@ -125,8 +125,9 @@ class CpuFlash:
 
 
 def _use_cuda_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """The flash kernel takes no mask, and only 16-bit inputs."""
-    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+    """The flash kernel takes no mask, only 16-bit inputs and heads up to 256 wide."""
+    dim = q.shape[-1]
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256
 
 
 class CudaSdpa:
@@ -364,5 +365,5 @@ def attention_lse_backward(
 ) -> Grads:
     """Gradients of one block given the (merged) output and log-sum-exp of its queries over all keys."""
     impl = implementation(q.device.type)
-    lse = _finite(lse).to(lse_dtype(q.dtype))
+    lse = _finite(lse).to(lse_dtype(q.dtype)).contiguous()  # a slice of the merged rows
     return impl.backward(dout, q, k, v, out.to(q.dtype), lse, scale, causal, mask)
