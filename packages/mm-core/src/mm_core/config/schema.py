@@ -210,7 +210,8 @@ class ModelConfig(Block):
     config_overrides: dict[str, Any] = Field(default_factory=dict)
     from_scratch: bool = False
     trust_remote_code: bool = False
-    attn_implementation: str = "sdpa"
+    #: "auto": mm_varlen (document-aware, mm_core.models.varlen) for text-only causal LMs, else sdpa
+    attn_implementation: str = "auto"
     freeze: list[str] = Field(default_factory=list)
     loss_cfg: LossConfig = Field(default_factory=LossConfig)
     recompute: bool = False

@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from mm_core.config.schema import ModelConfig
 from mm_core.errors import ConfigError, MMError
 from mm_core.models.base import BaseModel
+from mm_core.models.varlen import resolve_attn_implementation
 from mm_core.registry import model_register
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -173,6 +174,7 @@ class ModelHub:
         device_ctx = torch.device("meta") if meta else contextlib.nullcontext()
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
             config = build_hf_config(cls, args)
+            attn = resolve_attn_implementation(args.attn_implementation, cls, config)
             wants_weights = not args.from_scratch
             if wants_weights and not (args.model_name_or_path and has_weights(args.model_name_or_path)):
                 where = args.model_name_or_path or "(not set)"
@@ -184,14 +186,14 @@ class ModelHub:
                 with device_ctx:
                     # PreTrainedModel._from_config is unannotated in transformers
                     model: PreTrainedModel = cls._from_config(  # type: ignore[no-untyped-call]
-                        config, attn_implementation=args.attn_implementation, dtype=torch.float32
+                        config, attn_implementation=attn, dtype=torch.float32
                     )
             else:
                 # typed as returning the model; with output_loading_info it returns (model, info)
                 loaded: Any = cls.from_pretrained(
                     args.model_name_or_path,
                     config=config,
-                    attn_implementation=args.attn_implementation,
+                    attn_implementation=attn,
                     dtype=torch.float32,
                     local_files_only=True,
                     output_loading_info=True,
@@ -208,6 +210,9 @@ class ModelHub:
                     )
             return model
         if isinstance(cls, type) and issubclass(cls, BaseModel):
+            if args.attn_implementation == "auto":  # mm's own models keep sdpa unless mm_varlen is asked for
+                args = args.model_copy(update={"attn_implementation": "sdpa"})
+            resolve_attn_implementation(args.attn_implementation, cls, None)
             if meta or args.from_scratch:
                 with device_ctx:
                     return cls._from_config(args)

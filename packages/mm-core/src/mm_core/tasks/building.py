@@ -19,6 +19,7 @@ from torch import nn
 
 from mm_core.config.schema import LoraConfig, MMConfig, ModelConfig, ParallelConfig
 from mm_core.errors import ConfigError
+from mm_core.models.device_kernels import use_device_kernels
 from mm_core.models.hub import ModelHub, has_weights
 from mm_core.models.special_tokens import resize_embeddings, vocabulary_size
 from mm_core.parallel.apply import (
@@ -104,6 +105,8 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
         if note:
             ctx.build_log.append(note)
     plan = prepare_and_plan(model, ctx.cfg, settings, ctx.state.sizes)
+    if use_device_kernels(model, ctx.device.type):  # Ascend: RMSNorm through torch_npu's fused kernel
+        ctx.build_log.append(f"kernels: RMSNorm modules use mm_parallel.kernels on {ctx.device.type}")
     if not meta:
         model.to(ctx.device)
     model, gather_plan = shard_model(model, plan, ctx.state)

@@ -26,6 +26,7 @@ from mm_core.data.sources import SOURCE_KEY
 from mm_core.errors import ConfigError, DataError
 from mm_core.models.output import output_field
 from mm_core.models.plan import plan_of
+from mm_core.models.varlen import document_kwargs, uses_varlen
 from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.lr_scaling import unscaled_lr
 from mm_core.parallel.apply import to_dtype
@@ -121,6 +122,8 @@ class StandardTask(Task):
         a parallel layout belongs here, after the shift (so no target crosses a split)."""
         loss_type = self.ctx.cfg.model.loss_cfg.loss_type
         sources = batch.pop(SOURCE_KEY, None)
+        if uses_varlen(self.model):  # the documents of the micro-batch, read on the host once for every layer
+            batch = {**batch, **document_kwargs(batch)}
         batch = move_to_device(batch, self.ctx.device, self.float_dtype)
         if loss_type == "raw":  # (context parallel: only a model that splits itself, see ModelPlan)
             return _Prepared(batch, None, self._zero, self._count_tokens(batch))

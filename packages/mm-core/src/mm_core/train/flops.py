@@ -48,18 +48,38 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A800", 312.0),
 )
 
+#: the same for Ascend NPUs, by a substring of ``torch.npu.get_device_name()`` (torch_npu): Atlas A3 chips
+#: (910C, reported as ``Ascend910_93xx``) 781 = 300 dense-BF16 PFLOP/s of a CloudMatrix 384 over its 384 chips
+#: (SemiAnalysis, 2025); Atlas A2 chips (``Ascend910B1``..``B4``) 313, the figure published for the 910B class
+#: (published figures range 280-376 by bin: set ``tools.peak_tflops`` for a measured one).
+NPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("Ascend910_93", 781.0),
+    ("Ascend910B", 313.0),
+)
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's product name (``torch.cuda``/``torch.npu``'s ``get_device_name``); "" elsewhere."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    if device.type == "npu":
+        npu = getattr(torch, "npu", None)  # registered by torch_npu
+        return str(npu.get_device_name(device)) if npu is not None else ""
+    return ""
+
 
 def peak_tflops(
     device: torch.device, param_dtype: torch.dtype | None, configured: float | None
 ) -> float | None:
     """The peak TFLOP/s one device of this run can reach: ``configured`` (``tools.peak_tflops``) when set,
-    else the table's bf16/fp16 figure for a CUDA device training in bf16 or fp16; None otherwise."""
+    else the table's bf16/fp16 figure for a CUDA or Ascend device training in bf16 or fp16; None otherwise."""
     if configured:
         return float(configured)
-    if device.type != "cuda" or param_dtype not in (torch.bfloat16, torch.float16):
+    if device.type not in ("cuda", "npu") or param_dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+    table = PEAK_TFLOPS if device.type == "cuda" else NPU_PEAK_TFLOPS
+    name = device_name(device)
+    return next((peak for key, peak in table if key in name), None)
 
 
 def _matched(model: nn.Module, patterns: tuple[str, ...]) -> tuple[str, ...]:
