@@ -168,15 +168,15 @@ def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
     return path
 
 
-def make_qwen3_5_assets(root: Path, model_id: str, n: int = 32) -> Path:
+def make_qwen3_5_assets(root: Path, model_id: str, n: int = 32, videos: bool = False) -> Path:
     """:func:`make_assets` for Qwen3.5's vision-language ids (``qwen3_5``, ``qwen3_5_moe``): the same records
     (0, 1 or 2 images of different sizes each), images and Qwen-VL processor (patches of 14, merged 2 x 2);
     the tiny model of :func:`_tiny.qwen3_5_overrides` (Gated DeltaNet and full-attention layers; the MoE
     one's router loss read from ``loss_cfg``) as ``config_overrides``, with the processor's vocabulary and
-    image token ids, no config folder. Returns the YAML path."""
+    image token ids, no config folder (``videos``: as :func:`make_assets`'s). Returns the YAML path."""
     from transformers import AutoTokenizer
 
-    path = make_assets(root, n)
+    path = make_assets(root, n, videos=videos)
     tok = AutoTokenizer.from_pretrained(root / "processor")
     overrides = qwen3_5_overrides(model_id)
     cfg = yaml.safe_load(path.read_text())

@@ -53,16 +53,16 @@ class QwenVLPlans:
         if "cu_seq_lens_q" in kwargs:  # a packed row (data.dataloader_param.packing)
             kwargs = self._packed_positions(kwargs)
         idle = None
-        if pixel_values_videos is not None:
-            # one vision-tower pass for the images and the videos together, so a rank with both runs the
-            # tower's FSDP units as often as a rank with either (or with neither: the idle tower below)
+        if pixel_values is not None or pixel_values_videos is not None:
+            # the vision tower first (before the token embedding, an FSDP unit of its own) and once, over the
+            # images and videos together: every rank runs the units in one order and as often, whatever its
+            # micro-batch holds (images, videos, both, or neither: the idle tower below)
             kwargs["mm_encoder_outputs"] = self._vision_features(
                 pixel_values, kwargs.get("image_grid_thw"), pixel_values_videos, kwargs.get("video_grid_thw")
             )
-            pixel_values = None
-        elif self.training and pixel_values is None and torch.is_grad_enabled():  # type: ignore[attr-defined]
+        elif self.training and torch.is_grad_enabled():  # type: ignore[attr-defined]
             idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
-        out = super().forward(*args, pixel_values=pixel_values, **kwargs)  # type: ignore[misc]
+        out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return add_idle(out, idle)
 
     def _packed_positions(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -114,23 +114,29 @@ class QwenVLPlans:
         self,
         pixel_values: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None,
-        pixel_values_videos: torch.Tensor,
+        pixel_values_videos: torch.Tensor | None,
         video_grid_thw: torch.Tensor | None,
     ) -> dict[str, Any]:
-        """transformers' ``mm_encoder_outputs`` (``"image"``, ``"video"``) from one pass of the vision tower
-        over the images and videos together (each image or video attends within itself, so its features
-        are those of separate passes)."""
+        """transformers' ``mm_encoder_outputs`` (``"image"``, ``"video"``, each where given) from one pass of
+        the vision tower over the images and videos together (each image or video attends within itself, so
+        its features are those of separate passes)."""
         model: Any = self.model  # type: ignore[attr-defined]
-        images = 0 if pixel_values is None else len(image_grid_thw)  # type: ignore[arg-type]
-        pixels: Any = pixel_values_videos
-        grid: Any = video_grid_thw
-        if images:
-            pixels = torch.cat([pixel_values, pixel_values_videos])  # type: ignore[list-item]
-            grid = torch.cat([image_grid_thw, video_grid_thw])  # type: ignore[list-item]
+        parts: list[tuple[str, Any, Any]] = [
+            (k, p, g)
+            for k, p, g in (
+                ("image", pixel_values, image_grid_thw),
+                ("video", pixel_values_videos, video_grid_thw),
+            )
+            if p is not None
+        ]
+        pixels = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
+        grid = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
         both = model.get_image_features(pixels, grid, return_dict=True)
-        out = {"video": _items(both, images, None)}
-        if images:
-            out["image"] = _items(both, 0, images)
+        out, start = {}, 0
+        for kind, _, g in parts:
+            count = len(g)
+            out[kind] = _items(both, start, start + count)
+            start += count
         return out
 
 
