@@ -231,3 +231,23 @@ def test_ascend_peaks() -> None:
         mp.setattr(_Npu, "get_device_name", staticmethod(lambda device: "Ascend910_9392"))
         assert peak_tflops(npu, torch.bfloat16, None) == 781.0  # type: ignore[arg-type]
         assert peak_tflops(npu, torch.float32, None) is None  # type: ignore[arg-type]
+
+
+def test_table_norm_and_rotary_are_transformers_own_numbers() -> None:
+    """The torch entries of the table give transformers' Qwen3 RMSNorm and rotary results bit for bit."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from mm_parallel.kernels import kernel
+
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 7, 16, generator=g), torch.randn(2, 1, 7, 16, generator=g)
+    cos, sin = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 16, generator=g)
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
+    rotary = kernel("rotary", "cpu")
+    assert torch.equal(rotary(q, cos[:, None], sin[:, None]), rq)
+    assert torch.equal(rotary(k, cos[:, None], sin[:, None]), rk)
+    norm = Qwen3RMSNorm(16, eps=1e-6)
+    norm.weight.data = torch.randn(16, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = q.to(dtype)
+        assert torch.equal(kernel("rms_norm", "cpu")(x, norm.weight.to(dtype), 1e-6), norm.to(dtype)(x))
