@@ -312,8 +312,9 @@ class VLMSFTDataset(PreparedDataset, torch.utils.data.Dataset):
 
     def _too_long(self, where: str, tokens: int) -> str:
         return (
-            f"{where}: {tokens} tokens (with image tokens) exceed {BASIC}.cutoff_len = {self.cutoff_len}; "
-            f"raise cutoff_len or lower {PREPROCESS}.image_max_pixels"
+            f"{where}: {tokens} tokens (with image and video tokens) exceed {BASIC}.cutoff_len = "
+            f"{self.cutoff_len}; raise cutoff_len or lower {PREPROCESS}.image_max_pixels (video_max_pixels, "
+            "video_max_frames for videos)"
         )
 
     def _sample(

@@ -1,0 +1,149 @@
+"""Build the moving-digits video example's assets from scikit-learn's bundled handwritten digits (no network).
+
+Writes, under ``--out`` (default: ``examples/qwen3vl_moving_digits/build``):
+- ``data/clips/<i>.mp4``: a clip of ``FRAMES`` frames (``FPS`` a second, H.264) of ``CANVAS`` × ``CANVAS``
+  pixels: one digit, upscaled ``SCALE`` times, white on black, travelling ``STEP`` pixels a frame left, right,
+  up or down (chosen at random), at a random position across the motion;
+- ``data/train.json`` / ``data/test.json``: LLaMA-Factory style records
+  ``{"messages": [{"role": "user", "content": "<video>Which way does the 3 move?"},
+  {"role": "assistant", "content": "left"}], "videos": ["clips/12.mp4"]}``; the digit images are split
+  80/20 (seeded), so every test clip shows a handwritten digit never seen in training;
+- ``processor/``: a byte-level BPE tokenizer with Qwen's vision tokens, a PIL Qwen2-VL image processor and a
+  Qwen3-VL video processor (``video_preprocessor_config.json``: patch 14, merge 2, ``FPS`` frames a second,
+  so all 8 frames are sampled, each 56 × 56: 4 groups of 2 frames, 4 video tokens each);
+- ``model/config.json``: a tiny Qwen3-VL (vision depth 2, hidden 64; language 2 layers, hidden 64).
+
+Needs ``pip install scikit-learn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CANVAS = 56
+FRAMES = 8
+FPS = 8.0
+SCALE = 2
+DIGIT = 8 * SCALE
+STEP = (CANVAS - DIGIT) // (FRAMES - 1)  # 5 pixels a frame
+DIRECTIONS = ("left", "right", "up", "down")
+QUESTION = "<video>Which way does the {digit} move?"
+
+QWEN_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
+QWEN_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+}
+
+
+def render(image: Any, direction: str, offset: int) -> Any:
+    """uint8 [FRAMES, CANVAS, CANVAS, 3]: the 8×8 ``image`` (0..16) scaled and moved edge to edge."""
+    import numpy as np
+
+    digit = np.kron(image / 16.0 * 255.0, np.ones((SCALE, SCALE))).clip(0, 255).astype(np.uint8)
+    frames = np.zeros((FRAMES, CANVAS, CANVAS, 3), np.uint8)
+    travel = STEP * (FRAMES - 1)
+    start = (CANVAS - DIGIT - travel) // 2
+    for t in range(FRAMES):
+        along = start + STEP * t
+        if direction in ("left", "up"):
+            along = CANVAS - DIGIT - along
+        y, x = (offset, along) if direction in ("left", "right") else (along, offset)
+        frames[t, y : y + DIGIT, x : x + DIGIT] = digit[..., None]
+    return frames
+
+
+def build(out: Path, seed: int = 0, test_fraction: float = 0.2) -> Path:
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+    from transformers import AutoTokenizer, Qwen3VLConfig
+
+    from mm_data_vlm.processor_build import build_qwen_vl_processor
+    from mm_data_vlm.videos import write_video
+
+    digits = load_digits()
+    clips = out / "data" / "clips"
+    clips.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    order = list(range(len(digits.images)))
+    rng.shuffle(order)
+    n_test = int(len(order) * test_fraction)
+    held_out = set(order[:n_test])
+    train, test = [], []
+    for i, (image, target) in enumerate(zip(digits.images, digits.target)):
+        direction = rng.choice(DIRECTIONS)
+        offset = rng.randrange(0, CANVAS - DIGIT + 1)
+        write_video(clips / f"{i}.mp4", render(image, direction, offset), FPS)
+        record = {
+            "messages": [
+                {"role": "user", "content": QUESTION.format(digit=int(target))},
+                {"role": "assistant", "content": direction},
+            ],
+            "videos": [f"clips/{i}.mp4"],
+        }
+        (test if i in held_out else train).append(record)
+    (out / "data" / "train.json").write_text(json.dumps(train, indent=0))
+    (out / "data" / "test.json").write_text(json.dumps(test, indent=0))
+    texts = [QUESTION.format(digit=d) + " " + w for d in range(10) for w in DIRECTIONS] * 20
+    texts += [f"<{t / 10:.1f} seconds>" for t in range(100)] * 5
+    video = {
+        "fps": FPS,
+        "min_frames": 4,
+        "max_frames": FRAMES,
+        "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": CANVAS * CANVAS * FRAMES},
+    }
+    proc = build_qwen_vl_processor(texts, out / "processor", vocab_size=400, videos=video)
+    tok = AutoTokenizer.from_pretrained(proc)
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    }
+    Qwen3VLConfig(
+        text_config={"vocab_size": len(tok), **QWEN_TEXT},
+        vision_config=QWEN_VISION,
+        tie_word_embeddings=True,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    ).save_pretrained(out / "model")
+    print(f"wrote {len(train)} training and {len(test)} held-out clips, processor and model config to {out}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "build")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build(args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()
