@@ -4,8 +4,9 @@ end to end.
 The quickstart's tiny Qwen3 on two training sources and two validation sources (pieces of the Python
 reference), evaluated at every step:
 
-- the same ``eval_loss``, ``eval_loss/<source>`` and ``loss/<source>`` at 1 rank, 2 ranks (FSDP) and 2 ranks
-  under Ulysses context parallelism, within 1e-5;
+- the same ``eval_loss``, ``eval_loss/<source>`` and ``loss/<source>`` at 1 rank, 2 ranks (FSDP), 2 ranks
+  under Ulysses context parallelism, and for a tiny MoE at 1 rank and 2 ranks with expert parallelism 2,
+  within 1e-5;
 - evaluation changes no training figure (the run without it has bit-identical losses and grad norms), and a
   run resumed from step 2 repeats steps 3-4 bit-exactly, eval losses included (attention dropout on: the
   random state must be the training run's);
@@ -24,8 +25,16 @@ import pytest
 import yaml
 from _launch import run_in_one_launch
 from _mm import QUICKSTART, REPO, read_metrics
+from _tiny import QWEN3_MOE
 
 TRAIN = ["train_a.jsonl", "train_b.jsonl"]
+#: a tiny Qwen3-MoE (with its router loss) instead of the dense model
+MOE = [
+    "model.model_id=qwen3_moe",
+    "model.model_name_or_path=null",
+    "model.config_overrides=" + json.dumps(QWEN3_MOE),
+    "model.loss_cfg.router_aux_loss_coef=0.02",
+]
 EVAL = ["eval_a.jsonl", "eval_b.jsonl"]
 
 
@@ -71,7 +80,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     data.mkdir()
     _split_data(data)
     cache = root / "cache"
-    names = ("one", "fsdp", "cp", "two", "no_eval", "resumed")
+    names = ("one", "fsdp", "cp", "moe_one", "moe_ep", "two", "no_eval", "resumed")
     d = {name: root / name for name in names}
     common = _common(data, cache)
     # the layouts compared run 2 steps without dropout (its masks differ between layouts); the runs compared
@@ -93,10 +102,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             + "}",
         ],
         "cp": [*one, "parallel.ulysses_parallel_size=2"],
+        "moe_one": [*one, *MOE],
+        "moe_ep": [*one, *MOE, "training.micro_batch_size=2", "parallel.expert_parallel_size=2"],
         "no_eval": [*two, "data.eval_dataset_param=null"],
         "resumed": [*two, f"training.load={ckpt / 'step_2'}"],
     }
-    launch = {1: ["one"], 2: ["fsdp", "cp", "two", "no_eval", "resumed"]}
+    launch = {1: ["one", "moe_one"], 2: ["fsdp", "cp", "moe_ep", "two", "no_eval", "resumed"]}
     for nproc, which in launch.items():
         batch = [(n, str(QUICKSTART), [*items[n], f"training.output_dir={d[n]}"]) for n in which]
         run_in_one_launch(nproc, batch, REPO, timeout=600)
@@ -118,9 +129,14 @@ def test_eval_records_every_step_and_the_same_on_every_layout(runs):
         for prefix, (a, b) in (("eval_loss", ("eval_a", "eval_b")), ("loss", ("train_a", "train_b"))):
             lo, hi = sorted((r[f"{prefix}/{a}"], r[f"{prefix}/{b}"]))
             assert lo - 1e-9 <= r[prefix] <= hi + 1e-9, (prefix, r)
-    for other, name in ((two, "2 ranks"), (cp, "2 ranks, Ulysses 2")):
+    moe_one, moe_ep = read_metrics(runs["moe_one"]), read_metrics(runs["moe_ep"])
+    for ref, other, name in (
+        (one, two, "2 ranks"),
+        (one, cp, "2 ranks, Ulysses 2"),
+        (moe_one, moe_ep, "MoE, EP 2"),
+    ):
         assert [r["step"] for r in other] == [1, 2]
-        for a, b in zip(one, other):
+        for a, b in zip(ref, other):
             for k in keys:
                 assert _close(a[k], b[k]), (name, a["step"], k, a[k], b[k])
 

@@ -50,8 +50,13 @@ class QwenVLPlans:
         pixel_values_videos: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        if "cu_seq_lens_q" in kwargs:  # a packed row (data.dataloader_param.packing)
-            kwargs = self._packed_positions(kwargs)
+        position_ids = kwargs.get("position_ids")
+        if (
+            isinstance(position_ids, torch.Tensor)
+            and position_ids.dim() == 2
+            and kwargs.get("attention_mask") is None
+        ):
+            kwargs = self._packed_positions(kwargs)  # a packed row (data.dataloader_param.packing)
         idle = None
         if pixel_values is not None or pixel_values_videos is not None:
             # the vision tower first (before the token embedding, an FSDP unit of its own) and once, over the
@@ -66,11 +71,12 @@ class QwenVLPlans:
         return add_idle(out, idle)
 
     def _packed_positions(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """A packed row's ``position_ids`` [4, 1, T]: row 0 the text positions restarting per sample (which
-        transformers' masks read to keep attention inside each sample), rows 1-3 the model's own
-        ``get_rope_index`` run on each sample separately (the 3-D positions of the unpacked run). The document
-        kwargs (``cu_seq_lens_*``, ``max_length_*``) are taken out: the vision tower would read them as its
-        own with flash attention, and the language model finds the same documents from row 0."""
+        """A packed row's ``position_ids`` [4, 1, T] from its text positions [1, T] (restarting at 0 at every
+        sample): row 0 those positions (which transformers' masks read to keep attention inside each sample),
+        rows 1-3 the model's own ``get_rope_index`` run on each sample separately (the 3-D positions of the
+        unpacked run). transformers' document kwargs (``cu_seq_lens_*``, ``max_length_*``) are taken out: the
+        vision tower would read them as its own with flash attention; the language model finds the same
+        documents from the positions."""
         model: Any = self.model  # type: ignore[attr-defined]
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
         if "linear_attention" in layer_types:
@@ -79,18 +85,21 @@ class QwenVLPlans:
                 f"{type(self).__name__} carry their state across the samples of a packed row; set packing: "
                 "false for this model"
             )
-        cu = kwargs.pop("cu_seq_lens_q")
-        for key in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             kwargs.pop(key, None)
-        input_ids, text = kwargs["input_ids"], kwargs.get("position_ids")
-        if input_ids.shape[0] != 1 or text is None or text.dim() != 2:
-            raise ValueError("a packed batch holds one row of input_ids [1, T] with position_ids [1, T]")
+        input_ids, text = kwargs["input_ids"], kwargs["position_ids"]
+        if input_ids.shape[0] != 1 or text.shape != input_ids.shape:
+            raise ValueError(
+                "a packed batch (position_ids without attention_mask) holds one row: input_ids and "
+                f"position_ids [1, T]; got {tuple(input_ids.shape)} and {tuple(text.shape)}"
+            )
         types = kwargs.get("mm_token_type_ids")
         if types is None:
             if kwargs.get("image_grid_thw") is not None or kwargs.get("video_grid_thw") is not None:
                 raise ValueError("a packed batch with images or videos needs mm_token_type_ids")
             types = torch.zeros_like(input_ids)
-        bounds = cu.tolist()
+        starts = (text[0] == 0).nonzero().flatten().tolist()
+        bounds = [*starts, text.shape[1]] if starts and starts[0] == 0 else [0, *starts, text.shape[1]]
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         ids = input_ids.new_zeros(len(lengths), max(lengths))
         each_types = types.new_zeros(ids.shape)
