@@ -251,3 +251,24 @@ def test_table_norm_and_rotary_are_transformers_own_numbers() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = q.to(dtype)
         assert torch.equal(kernel("rms_norm", "cpu")(x, norm.weight.to(dtype), 1e-6), norm.to(dtype)(x))
+
+
+def test_decoding_with_a_cache_matches_sdpa() -> None:
+    """After a key/value cache (generation) the queries attend to every cached key, left padding masked."""
+    ours, sdpa = _model(), _model("sdpa")
+    ids = torch.randint(0, QWEN3["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    outs = []
+    for model in (ours, sdpa):
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = first.logits[:, -1:].argmax(-1)
+            nxt = model(
+                input_ids=step,
+                attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+                past_key_values=first.past_key_values,
+                use_cache=True,
+            )
+        outs.append((first.logits[mask.bool()], nxt.logits))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5)
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
