@@ -80,7 +80,8 @@ def render(image: Any, direction: str, offset: int) -> Any:
     return frames
 
 
-def build(out: Path, seed: int = 0, test_fraction: float = 0.2) -> Path:
+def build(out: Path, seed: int = 0, test_fraction: float = 0.2, limit: int | None = None) -> Path:
+    """Write the assets under ``out`` (``limit``: only the first N digit images, for a quick check)."""
     from sklearn.datasets import load_digits  # type: ignore[import-untyped]
     from transformers import AutoTokenizer, Qwen3VLConfig
 
@@ -91,12 +92,13 @@ def build(out: Path, seed: int = 0, test_fraction: float = 0.2) -> Path:
     clips = out / "data" / "clips"
     clips.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    order = list(range(len(digits.images)))
+    count = len(digits.images) if limit is None else min(limit, len(digits.images))
+    order = list(range(count))
     rng.shuffle(order)
     n_test = int(len(order) * test_fraction)
     held_out = set(order[:n_test])
     train, test = [], []
-    for i, (image, target) in enumerate(zip(digits.images, digits.target)):
+    for i, (image, target) in enumerate(zip(digits.images[:count], digits.target[:count])):
         direction = rng.choice(DIRECTIONS)
         offset = rng.randrange(0, CANVAS - DIGIT + 1)
         write_video(clips / f"{i}.mp4", render(image, direction, offset), FPS)
@@ -141,8 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "build")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N digit images")
     args = parser.parse_args()
-    build(args.out, args.seed)
+    build(args.out, args.seed, limit=args.limit)
 
 
 if __name__ == "__main__":
