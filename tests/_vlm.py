@@ -142,12 +142,12 @@ def make_assets(root: Path, n: int = 32, seed: int = 0, videos: bool = False) ->
 MOE_TEXT = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
-def make_moe_assets(root: Path, n: int = 32, seed: int = 0) -> Path:
+def make_moe_assets(root: Path, n: int = 32, seed: int = 0, videos: bool = False) -> Path:
     """:func:`make_assets` for ``qwen3_vl_moe``: the same data, processor, towers and token ids, every decoder
     layer a mixture of 4 fused experts (top-2), router load-balancing loss on. Returns the YAML path."""
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
-    path = make_assets(root, n, seed)
+    path = make_assets(root, n, seed, videos=videos)
     dense = Qwen3VLConfig.from_pretrained(root / "model")
     drop = ("model_type", "transformers_version", "architectures", "dtype")
     text = {k: v for k, v in dense.text_config.to_dict().items() if k not in drop}

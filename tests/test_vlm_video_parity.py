@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from _mm import assert_close_series, train_layouts
-from _vlm import make_assets, make_qwen3_5_assets
+from _vlm import make_assets, make_moe_assets, make_qwen3_5_assets
 
 STEPS = 8
 LAYOUTS = [
@@ -32,12 +32,18 @@ def _batch(cfg: dict, indices: list[int]) -> dict:
     return {k: v for k, v in batch.items() if k not in ("sample_id", "skipped_samples")}
 
 
-@pytest.mark.parametrize("model_id", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("model_id", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def test_one_tower_pass_equals_transformers(tmp_path, model_id):
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (
+        AutoConfig,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     from mm_models_qwen.qwen3_5 import Qwen3_5ForTraining
     from mm_models_qwen.qwen3_vl import Qwen3VLForTraining
+    from mm_models_qwen.qwen3_vl_moe import Qwen3VLMoeForTraining
 
     path = make_assets(tmp_path, n=8, videos=True)
     if model_id == "qwen3_5":
@@ -45,6 +51,10 @@ def test_one_tower_pass_equals_transformers(tmp_path, model_id):
         overrides = yaml.safe_load(path.read_text())["model"]["config_overrides"]
         config = AutoConfig.for_model("qwen3_5", **overrides)
         reference_cls, ours_cls = Qwen3_5ForConditionalGeneration, Qwen3_5ForTraining
+    elif model_id == "qwen3_vl_moe":
+        path = make_moe_assets(tmp_path, n=8, videos=True)
+        config = AutoConfig.from_pretrained(tmp_path / "model")
+        reference_cls, ours_cls = Qwen3VLMoeForConditionalGeneration, Qwen3VLMoeForTraining
     else:
         config = AutoConfig.from_pretrained(tmp_path / "model")
         reference_cls, ours_cls = Qwen3VLForConditionalGeneration, Qwen3VLForTraining
