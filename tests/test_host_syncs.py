@@ -8,6 +8,8 @@ wait on an accelerator, in real training runs on 2 gloo ranks; a step's count is
 
 - dense (FSDP 2): at most ``M + 1``: the step's read, and one per forward where transformers checks the
   position ids for packed sequences (``masking_utils.find_packed_sequence_indices``);
+- context parallel (Ulysses 2): at most the dense count (at most one read per micro-batch of its sequence
+  layout, shared by every attention layer, and the step's read);
 - MoE: at ``ep`` 1 the dense count (fixed-size counts, grouped products); at ``ep`` 2, with either
   dispatcher, at most ``L x M`` more (the sizes of each MoE layer's exchange, read in its forward); none in
   backward or in the recomputed forward (``model.recompute: true``);
@@ -48,6 +50,7 @@ MOE = {
 #: (name, model: None for the quickstart's dense model, overrides)
 LAYOUTS = [
     ("dense", None, []),
+    ("cp", None, ["parallel.ulysses_parallel_size=2"]),
     ("moe_ep1", MOE, []),
     ("moe_ep2", MOE, ["parallel.expert_parallel_size=2"]),
     ("moe_ep2_recompute", MOE, ["parallel.expert_parallel_size=2", "model.recompute=true"]),
