@@ -313,8 +313,9 @@ class Trainer:
                     evaluate = self.evaluator is not None and is_eval_step(cfg, step, tcfg.total_iters)
                     logged = logged or evaluate
                     tools.step_begin(step)
-                    # no device synchronize: the step's own host sync waits for the previous step's update,
-                    # so in a steady state this is the time per step
+                    # no device synchronize: the step's own host sync waits for its statistics, which the
+                    # device computes after the previous step's update, so in a steady state this is the time
+                    # per step (the last update may still be running when the loop ends)
                     t0 = time.perf_counter()
                     result = self.train_step(self._next_micro_batches(), log_memory=logged)
                     metrics = result.metrics
