@@ -270,3 +270,19 @@ def test_enabled_tracker_without_its_library_says_what_to_install(tracker, tmp_p
     with pytest.raises(ConfigError, match=rf"pip install 'mm-core\[{tracker}\]'"):
         MetricsLogger(tmp_path, enabled=True, total_steps=1, tools=tools, progress_bar=False)
     assert (tmp_path / "metrics.jsonl").exists()  # the sinks opened before were closed (no leaked file)
+
+
+def test_mm_check_verifies_the_eval_data(tmp_path):
+    """``mm check`` runs the same data checks on ``data.eval_dataset_param`` as on the training data."""
+    from mm_core.errors import MMError
+    from mm_core.preflight import check_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _split_data(data)
+    base = _common(data, tmp_path / "cache")
+    lines = check_data(_load(*base))
+    assert any(line.startswith("eval data") for line in lines), lines
+    broken = [*base, "data.eval_dataset_param.basic_parameters.dataset=[missing.jsonl]"]
+    with pytest.raises(MMError, match=r"data\.eval_dataset_param \(the validation data\).*missing\.jsonl"):
+        check_data(_load(*broken))
