@@ -171,10 +171,10 @@ class Trainer:
             Evaluator(cfg, self.state, self.task) if cfg.data.eval_dataset_param is not None else None
         )
         self._resume()
-        if self.evaluator is not None:
-            self.ctx.build_log.append(self.evaluator.describe())
         for line in self.ctx.build_log:  # the build plan of each model, as mm check prints it
             self._info(line)
+        if self.evaluator is not None:
+            self._info(self.evaluator.describe())
         self._info(precision_note)
         for line in self.setup_notes:
             self._info(line)
