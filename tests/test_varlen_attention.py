@@ -202,6 +202,9 @@ def test_auto_applies_to_text_causal_models_only() -> None:
 
     assert not auto_applies(Qwen3VLForConditionalGeneration, Qwen3VLConfig())
     assert resolve_attn_implementation("auto", Qwen3VLForConditionalGeneration, Qwen3VLConfig()) == "sdpa"
+    # asked for by name, a model with towers gets it for its language model only
+    chosen = resolve_attn_implementation(VARLEN_ATTENTION, Qwen3VLForConditionalGeneration, Qwen3VLConfig())
+    assert chosen == {"text_config": VARLEN_ATTENTION}
 
 
 def test_rms_norm_switch_keeps_numbers_and_weights() -> None:

@@ -231,13 +231,17 @@ def auto_applies(cls: type, config: Any) -> bool:
     )
 
 
-def resolve_attn_implementation(name: str, cls: type, config: Any) -> str:
+def resolve_attn_implementation(name: str, cls: type, config: Any) -> str | dict[str, str]:
     """The attention implementation a transformers class is built with for ``model.attn_implementation``
-    ``name`` (``auto`` resolved; mm's own registered first when chosen)."""
+    ``name`` (``auto`` resolved; mm's own registered first when chosen). A model with towers given
+    ``mm_varlen`` gets it for its language model only (``{"text_config": "mm_varlen"}``): the towers keep
+    their (bidirectional) attention."""
     if name == "auto":
         name = VARLEN_ATTENTION if auto_applies(cls, config) else "sdpa"
     if name == VARLEN_ATTENTION:
         register_varlen_attention()
+        if "text_config" in (getattr(config, "sub_configs", None) or {}):
+            return {"text_config": VARLEN_ATTENTION}
     return name
 
 
