@@ -44,6 +44,7 @@ from transformers.utils import ModelOutput
 
 from mm_core.errors import ConfigError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
+from mm_core.models.varlen import plain_attn_implementation
 from mm_core.parallel.layer_bytes import (
     INDEX,
     ActivationCount,
@@ -152,7 +153,7 @@ def read_config(args: ModelArguments) -> tuple[Qwen2Config, int]:
             config = Qwen2Config.from_dict(merged)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{OVERRIDES}: Qwen2Config rejects the overrides: {exc}") from None
-    config._attn_implementation = args.attn_implementation  # noqa: SLF001 - transformers' public switch
+    config._attn_implementation = plain_attn_implementation(args.attn_implementation)  # noqa: SLF001 - transformers' public switch
     config.use_cache = False
     return config, speech_vocab
 

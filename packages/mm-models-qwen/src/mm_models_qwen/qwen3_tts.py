@@ -55,6 +55,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from mm_core.errors import ConfigError, DataError
 from mm_core.models import BaseModel, ModelArguments, ModelPlan
+from mm_core.models.varlen import plain_attn_implementation
 
 from .qwen3_tts_activations import count_activations
 from .qwen3_tts_config import (
@@ -236,7 +237,7 @@ class Qwen3TTSForTraining(nn.Module, BaseModel):
         """The structure from the config (on the meta device under ``init_model_with_meta_device``; else
         initialised as :meth:`init_weights` does)."""
         config, weight = load_config(args)
-        model = cls(config, args.attn_implementation, weight)
+        model = cls(config, plain_attn_implementation(args.attn_implementation), weight)
         if next(model.parameters()).device.type != "meta":
             model.init_weights()
         return model
@@ -253,7 +254,7 @@ class Qwen3TTSForTraining(nn.Module, BaseModel):
             )
         config, weight = load_config(args)
         with torch.device("meta"):
-            model = cls(config, args.attn_implementation, weight)
+            model = cls(config, plain_attn_implementation(args.attn_implementation), weight)
         model.to_empty(device="cpu")
         load_official(model, Path(args.model_name_or_path))
         model.reset_buffers()

@@ -14,7 +14,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from mm_core.config.schema import ModelConfig
 from mm_core.errors import ConfigError, MMError
 from mm_core.models.base import BaseModel
-from mm_core.models.varlen import resolve_attn_implementation
+from mm_core.models.varlen import plain_attn_implementation, resolve_attn_implementation
 from mm_core.registry import model_register
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -210,9 +210,10 @@ class ModelHub:
                     )
             return model
         if isinstance(cls, type) and issubclass(cls, BaseModel):
-            if args.attn_implementation == "auto":  # mm's own models keep sdpa unless mm_varlen is asked for
-                args = args.model_copy(update={"attn_implementation": "sdpa"})
-            resolve_attn_implementation(args.attn_implementation, cls, None)
+            # mm's own models keep sdpa unless mm_varlen is asked for
+            args = args.model_copy(
+                update={"attn_implementation": plain_attn_implementation(args.attn_implementation)}
+            )
             if meta or args.from_scratch:
                 with device_ctx:
                     return cls._from_config(args)

@@ -245,6 +245,16 @@ def resolve_attn_implementation(name: str, cls: type, config: Any) -> str | dict
     return name
 
 
+def plain_attn_implementation(name: str) -> str:
+    """``model.attn_implementation`` for a model of mm's own (a ``BaseModel`` that builds transformers modules
+    itself): ``auto`` is ``sdpa`` there; ``mm_varlen`` is registered before use."""
+    if name == "auto":
+        return "sdpa"
+    if name == VARLEN_ATTENTION:
+        register_varlen_attention()
+    return name
+
+
 def uses_varlen(model: nn.Module) -> bool:
     """Whether ``model``'s (language model's) attention is :data:`VARLEN_ATTENTION`."""
     config = getattr(model, "config", None)
