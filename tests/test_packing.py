@@ -136,7 +136,7 @@ def _loss_and_grads(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[floa
     loss = token_losses(logits, targets).sum() / count_units(targets, "per_token_loss")
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(loss), grads
+    return loss.item(), grads
 
 
 def _check_parity(model: torch.nn.Module, data: dict[str, Any], indices: list[int], budget: int) -> None:
