@@ -170,6 +170,11 @@ class DataConfig(Block):
 class LossConfig(Block):
     loss_type: Literal["raw", "default", "per_token_loss", "per_sample_loss"] = "default"
     router_aux_loss_coef: float = Field(0.0, ge=0)
+    #: auxiliary-loss-free balancing of sigmoid-routed models (DeepSeek-V3 style, Megatron's
+    #: ``moe_router_bias_update_rate``): after each applied optimizer step every MoE layer's
+    #: ``e_score_correction_bias`` moves by this rate x sign(mean load - expert load), from the global
+    #: tokens per expert of the step; 0: the bias is left as loaded (docs/parallelism.md)
+    router_bias_update_rate: float = Field(0.0, ge=0)
     #: the output projection and the cross entropy computed chunk by chunk (``per_token_loss`` /
     #: ``per_sample_loss``), so the full-vocabulary logits of the sequence never exist at once; used when the
     #: model plan names its ``output_head`` (see docs/performance.md)

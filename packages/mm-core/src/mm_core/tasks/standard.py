@@ -31,6 +31,7 @@ from mm_core.optim import build_optimizer, build_scheduler
 from mm_core.optim.lr_scaling import unscaled_lr
 from mm_core.parallel.apply import to_dtype
 from mm_core.parallel.context import LAYOUT_KWARG, ContextParallel
+from mm_core.parallel.expert_load import expert_load_for
 from mm_core.parallel.experts import router_aux_for
 from mm_core.tasks.base import MAIN, StepResult, Task, TaskParts
 from mm_core.tasks.building import build_model
@@ -79,6 +80,10 @@ class StandardTask(Task):
         self.toolkit = TaskToolkit(self.ctx, [self.model])
         plan = self.plan
         self.router_aux = router_aux_for(self.model, cfg.model.loss_cfg, plan.model_plan)  # None: dense
+        # tokens per expert of each step, and the router bias update (None: no MoE layers)
+        self.bias_rate = cfg.model.loss_cfg.router_bias_update_rate
+        expert_names = plan.experts.names or plan.default_experts
+        self.expert_load = expert_load_for(self.model, expert_names, self.bias_rate, state.device)
         # None without context parallel
         self.context = ContextParallel.build(self.model, plan.context, plan.model_plan, plan.facts, state)
         self.flops = StepFlops.of(self.model, plan)
@@ -329,21 +334,34 @@ class StandardTask(Task):
         }
         names = () if raw else self.ctx.sources
         self._start_by_source(names)
+        load = self.expert_load
+        if load is not None:
+            load.start_step()
 
         loss_sum_ = self._zero
         for i, p in enumerate(prepared):
             self._defer_gradient_reduction(last=i == len(prepared) - 1)
+            if load is not None:  # the experts' tokens of this forward, padding left out
+                load.start_micro_batch(
+                    ContextParallel.local_mask(p.batch)
+                    if LAYOUT_KWARG in p.batch
+                    else p.batch.get("attention_mask")
+                )
             loss, contrib = self._forward_loss(p.batch, p.targets, scale, p.tokens, p.sources)
             loss.backward()
             loss_sum_ = loss_sum_ + contrib.double()
+        if load is not None:
+            load.stop()
         # one collective for the step's loss sum, whether any rank was asked to stop (SIGTERM/SIGINT), the
-        # model FLOPs of every rank and the loss parts
+        # model FLOPs of every rank, the loss parts and the tokens per expert (every rank's are distinct)
         stop = torch.full_like(self._zero, float(self.ctx.stop_requested))
         summed = sum_over_ranks(
             {"loss_sum": loss_sum_, "stop": stop, "flops": self._flops}
             | {f"part:{name}": part for name, part in self._parts.items()}
             | self._by_source_values()
+            | ({"expert_load": load.counts.reshape(-1)} if load is not None else {})
         )
+        loads = summed["expert_load"].reshape(load.counts.shape) if load is not None else None
         grad_norm = self.toolkit.clip(self.model, self.clip_scale_only)
         aux = self._aux_values
         stats = {
@@ -362,13 +380,15 @@ class StandardTask(Task):
         for name in self._parts:  # (sum, count) of each loss part
             stats[f"part:{name}:sum"], stats[f"part:{name}:count"] = summed[f"part:{name}"]
         stats.update(self._by_source_stats(summed, len(names)))
+        balance = load.metrics(loads) if load is not None and loads is not None else {}
+        stats.update(balance)
         step = self.ctx.progress.step + 1
         lr = unscaled_lr(self.optimizer)  # the rate of this step's update (training.lr_scaling_plan aside)
         pending = start_read(stats)  # the step's one host sync, waited for below
         if self.toolkit.masks_on_device(self.optimizer):
             # the update is issued first, masked on the device if the loss or the grad norm is not finite,
             # so the device runs it while the host waits only for the statistics copied before it
-            values, _ = self.toolkit.update_then_read(
+            values, applied = self.toolkit.update_then_read(
                 self.optimizer,
                 self.scheduler,
                 step=step,
@@ -389,8 +409,13 @@ class StandardTask(Task):
             if count:
                 metrics[name] = values[f"part:{name}:sum"] / count
         metrics.update(self._source_metrics(values, names))
+        metrics.update({key: values[key] for key in balance})
         if not self.toolkit.masks_on_device(self.optimizer):
-            self.toolkit.update(self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss)
+            applied = self.toolkit.update(
+                self.optimizer, self.scheduler, step=step, grad_norm=gnorm, loss=step_loss
+            )
+        if applied and load is not None and loads is not None:  # a skipped step leaves the bias as well
+            load.update_bias(loads, self.bias_rate)
         metrics.update(self.toolkit.nonfinite_metrics())
         return StepResult(
             metrics,
