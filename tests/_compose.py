@@ -42,8 +42,12 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], out: str, env: di
             handle = counted.register_forward_pre_hook(lambda *_, seen=calls: seen.append(None))
             records = trainer.train()
             handle.remove()
-            # ChunkedLossHead, or NoneType: the loss took full logits
-            head = type(getattr(trainer.task, "chunked_head", None)).__name__
+            # ChunkedLossHead (FSDP2's subclass of it when the head is a unit of its own), or NoneType: the
+            # loss took full logits
+            from mm_parallel.memory.chunked_loss import ChunkedLossHead
+
+            chunked = getattr(trainer.task, "chunked_head", None)
+            head = "ChunkedLossHead" if isinstance(chunked, ChunkedLossHead) else type(chunked).__name__
             results[name] = {"records": records, "calls": len(calls), "head": head}
         if rank == 0:
             Path(out, "results.json").write_text(json.dumps(results), encoding="utf-8")
