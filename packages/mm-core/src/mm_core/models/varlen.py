@@ -216,7 +216,8 @@ def register_varlen_attention() -> str:
 
 def auto_applies(cls: type, config: Any) -> bool:
     """Whether ``model.attn_implementation: auto`` picks :data:`VARLEN_ATTENTION` for this transformers class:
-    a text-only causal language model (``...ForCausalLM`` without sub-configs, whose forward takes
+    a text-only causal language model (a transformers ``...ForCausalLM`` or a subclass of one, e.g. mm's
+    ``Qwen3ForTraining``, without sub-configs, whose forward takes
     ``**kwargs``) that dispatches its attention through ``AttentionInterface``. Anything else (towers,
     encoders, mm's own models) keeps ``sdpa``."""
     forward = getattr(cls, "forward", None)
@@ -225,7 +226,11 @@ def auto_applies(cls: type, config: Any) -> bool:
     )  # the document kwargs reach the attention through the forward's **kwargs
     return (
         bool(getattr(cls, "_supports_attention_backend", False))
-        and cls.__name__.endswith("ForCausalLM")
+        and any(
+            c.__name__.endswith("ForCausalLM")
+            for c in cls.__mro__
+            if c.__module__.startswith("transformers.")
+        )
         and not getattr(config, "sub_configs", None)
         and takes_kwargs
     )
