@@ -198,6 +198,11 @@ def test_model_attention_runs_the_cuda_varlen_kernel_under_fake_tensors() -> Non
 
 def test_auto_applies_to_text_causal_models_only() -> None:
     assert auto_applies(Qwen3ForCausalLM, Qwen3Config(**QWEN3))
+    from mm_core.registry import model_register
+
+    for model_id in ("qwen3", "qwen3_moe"):  # mm's registered subclasses of transformers' causal LMs
+        cls = model_register.get(model_id)
+        assert auto_applies(cls, cls.config_class()), model_id
     from transformers import Qwen3VLConfig
 
     assert not auto_applies(Qwen3VLForConditionalGeneration, Qwen3VLConfig())
