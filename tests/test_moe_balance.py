@@ -2,7 +2,7 @@
 
 - Every MoE run logs ``moe/load_max_over_mean`` and ``moe/dead_experts`` (whole model and per group of
   layers) from the global tokens per expert: a tiny Qwen3-MoE gives the same values on 1 process, FSDP 2 and
-  EP 2 (the same global batch of 8 sequences, padding left out).
+  EP 2, with and without recompute (the same global batch of 8 sequences, padding left out).
 - ``model.loss_cfg.router_bias_update_rate`` moves the ``e_score_correction_bias`` of a tiny DeepSeek-V3
   (Kimi K2.5's language model; ``tests/_plugin_moe.py``, text only) after each optimizer step: 1 process and
   EP 2 give the same losses, grad norms and load metrics within 1e-5 and the same final bias over 4 steps;
@@ -58,7 +58,10 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     raw["training"]["plugin"] = ["_plugin_moe"]
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     kimi = str(path)
-    out = {name: root / name for name in ("single", "fsdp2", "ep2", "kimi", "kimi_ep2", "kimi_resumed")}
+    out = {
+        name: root / name
+        for name in ("single", "fsdp2", "ep2", "ep2_recompute", "kimi", "kimi_ep2", "kimi_resumed")
+    }
 
     def run(name: str, config: str, overrides: list[str]) -> tuple[str, str, list[str]]:
         return name, config, [*overrides, f"training.output_dir={out[name]}"]
@@ -80,6 +83,11 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     two = [
         run("fsdp2", qwen, [*QWEN, "training.micro_batch_size=2"]),
         run("ep2", qwen, [*QWEN, "training.micro_batch_size=2", "parallel.expert_parallel_size=2"]),
+        run(
+            "ep2_recompute",
+            qwen,
+            [*QWEN, "training.micro_batch_size=2", "parallel.expert_parallel_size=2", "model.recompute=true"],
+        ),
         run(
             "kimi_ep2",
             kimi,
@@ -120,7 +128,7 @@ def test_load_statistics_do_not_depend_on_the_layout(runs):
     for r in ref:
         per_layer = [r["moe/load_max_over_mean/layers_0-0"], r["moe/load_max_over_mean/layers_1-1"]]
         assert r["moe/load_max_over_mean"] == pytest.approx(sum(per_layer) / 2, rel=1e-12)
-    for name in ("fsdp2", "ep2"):
+    for name in ("fsdp2", "ep2", "ep2_recompute"):  # a recomputed forward counts nothing again
         assert [balance_keys(r) for r in got[name]] == [keys] * STEPS
         for key in keys:
             assert_close_series([r[key] for r in ref], [r[key] for r in got[name]], 1e-9, f"{name} {key}")
@@ -179,3 +187,30 @@ def test_bias_update_direction_and_refusal_for_a_softmax_routed_model():
     assert expert_load_for(qwen, experts, 0.0, torch.device("cpu")) is not None
     with pytest.raises(ConfigError, match=r"model\.loss_cfg\.router_bias_update_rate: got 0\.001; "):
         expert_load_for(qwen, experts, RATE, torch.device("cpu"))
+
+
+def test_counts_real_tokens_once_per_micro_batch_with_recompute():
+    """Padding rows are left out; the forward recomputed in backward and an evaluation forward add nothing."""
+    from _plugin_moe import DeepseekV3ForTraining
+    from transformers import DeepseekV3Config
+
+    from mm_core.parallel.expert_load import ExpertLoad
+    from mm_parallel.memory import apply_recompute
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForTraining(DeepseekV3Config(**TINY_DEEPSEEK_V3))
+    assert apply_recompute(model.model.layers) == 4
+    names = [f"model.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+    load = ExpertLoad(model, names, torch.device("cpu"))
+    ids = torch.randint(0, 4096, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # 3 padding tokens
+    load.start_step()
+    load.start_micro_batch(mask)
+    model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    real = int(mask.sum())
+    assert load.counts.sum(dim=1).tolist() == [real * 2.0] * 3  # top-2 of each real token, once per layer
+    with torch.no_grad():
+        load.start_micro_batch(None)
+        model(input_ids=ids, use_cache=False)
+    assert load.counts.sum().item() == real * 2 * 3
