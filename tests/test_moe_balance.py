@@ -2,7 +2,7 @@
 
 - Every MoE run logs ``moe/load_max_over_mean`` and ``moe/dead_experts`` (whole model and per group of
   layers) from the global tokens per expert: a tiny Qwen3-MoE gives the same values on 1 process, FSDP 2 and
-  EP 2, with and without recompute (the same global batch of 8 sequences, padding left out).
+  EP 2 (with and without recompute) and Ulysses 2 (the same global batch of 8 sequences, padding left out).
 - ``model.loss_cfg.router_bias_update_rate`` moves the ``e_score_correction_bias`` of a tiny DeepSeek-V3
   (Kimi K2.5's language model; ``tests/_plugin_moe.py``, text only) after each optimizer step: 1 process and
   EP 2 give the same losses, grad norms and load metrics within 1e-5 and the same final bias over 4 steps;
@@ -60,7 +60,16 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     kimi = str(path)
     out = {
         name: root / name
-        for name in ("single", "fsdp2", "ep2", "ep2_recompute", "kimi", "kimi_ep2", "kimi_resumed")
+        for name in (
+            "single",
+            "fsdp2",
+            "ep2",
+            "ep2_recompute",
+            "ulysses2",
+            "kimi",
+            "kimi_ep2",
+            "kimi_resumed",
+        )
     }
 
     def run(name: str, config: str, overrides: list[str]) -> tuple[str, str, list[str]]:
@@ -88,6 +97,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
             qwen,
             [*QWEN, "training.micro_batch_size=2", "parallel.expert_parallel_size=2", "model.recompute=true"],
         ),
+        run("ulysses2", qwen, [*QWEN, "training.micro_batch_size=4", "parallel.ulysses_parallel_size=2"]),
         run(
             "kimi_ep2",
             kimi,
@@ -128,7 +138,7 @@ def test_load_statistics_do_not_depend_on_the_layout(runs):
     for r in ref:
         per_layer = [r["moe/load_max_over_mean/layers_0-0"], r["moe/load_max_over_mean/layers_1-1"]]
         assert r["moe/load_max_over_mean"] == pytest.approx(sum(per_layer) / 2, rel=1e-12)
-    for name in ("fsdp2", "ep2", "ep2_recompute"):  # a recomputed forward counts nothing again
+    for name in ("fsdp2", "ep2", "ep2_recompute", "ulysses2"):  # a recomputed forward counts nothing again
         assert [balance_keys(r) for r in got[name]] == [keys] * STEPS
         for key in keys:
             assert_close_series([r[key] for r in ref], [r[key] for r in got[name]], 1e-9, f"{name} {key}")
