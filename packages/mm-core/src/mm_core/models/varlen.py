@@ -30,6 +30,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,35 +47,35 @@ CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 def document_lengths(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, rows: int, seq: int
 ) -> list[int]:
-    """Lengths of the documents of ``rows x seq`` tokens read row after row (module docstring, rule 2)."""
-    starts = torch.zeros(rows, seq, dtype=torch.bool, device="cpu")
+    """Lengths of the documents of ``rows x seq`` tokens read row after row (module docstring, rule 2).
+    Computed with numpy on a host copy: on a host batch (mm's trainer) no torch value is read."""
+    starts = np.zeros((rows, seq), dtype=bool)
     starts[:, 0] = True
     if position_ids is not None:
-        pos = position_ids.detach().cpu()
-        zero = (pos == 0).all(0) if pos.dim() == 3 else pos == 0
-        starts |= zero.expand(rows, seq)
+        pos = position_ids.detach().cpu().numpy()
+        zero = (pos == 0).all(0) if pos.ndim == 3 else pos == 0
+        starts |= np.broadcast_to(zero, (rows, seq))
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
                 f"attention {VARLEN_ATTENTION!r} takes a 2-D attention_mask [batch, seq] (1 = token, "
                 f"0 = padding); got shape {tuple(attention_mask.shape)}"
             )
-        real = attention_mask.detach().cpu().bool()
+        real = attention_mask.detach().cpu().numpy().astype(bool)
         change = real[:, 1:] != real[:, :-1]
         # a run of padding is one document whatever its position ids; a token after a change starts one
         starts[:, 1:] = (starts[:, 1:] & real[:, 1:]) | change
-        runs = (real[:, 1:] & change).sum(1) + real[:, 0].long()
-        if bool((runs > 1).any()):
-            row = int((runs > 1).nonzero()[0])
+        runs = (real[:, 1:] & change).sum(1) + real[:, 0]
+        if (runs > 1).any():
+            row = int(np.flatnonzero(runs > 1)[0])
             raise ValueError(
                 f"attention {VARLEN_ATTENTION!r}: row {row} of the attention_mask has padding "
                 "between tokens; "
                 "it supports padding before or after each row's tokens (pack documents with position_ids "
                 "restarting at 0 instead), or use model.attn_implementation: sdpa"
             )
-    index = starts.reshape(-1).nonzero().flatten()
-    bounds = torch.cat([index, torch.tensor([rows * seq])])
-    return [int(n) for n in torch.diff(bounds).tolist()]
+    bounds = np.append(np.flatnonzero(starts.reshape(-1)), rows * seq)
+    return [int(n) for n in np.diff(bounds)]
 
 
 def _cumulative(lengths: list[int], device: torch.device | None = None) -> torch.Tensor:
@@ -87,7 +88,7 @@ def document_kwargs(batch: Mapping[str, Any]) -> dict[str, Any]:
     Empty for a batch without ``input_ids`` (the model computes its own inputs)."""
     cu = batch.get(CU_Q)
     if isinstance(cu, torch.Tensor):
-        lengths = tuple(int(n) for n in torch.diff(cu.detach().cpu()).tolist())
+        lengths = tuple(int(n) for n in np.diff(cu.detach().cpu().numpy()))
         return {LENGTHS_KWARG: lengths}
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
