@@ -125,7 +125,9 @@ def test_guide_skeleton_dense(tmp_path):
     cfg = filled(guide_skeleton(), QUICKSTART.parent / "model", "qwen3", tmp_path)
     del cfg["parallel"]["ep_plan"]["apply_modules"]
     out, _ = run_skeleton(cfg, tmp_path, [])
-    assert "gathering plan: model.layers.0 [model.layers.0]" in out
+    # the edge unit (embedding, final norm and head gathered together) first, then one group per layer
+    assert "gathering plan: model.embed_tokens + model.norm + lm_head [" in out
+    assert "; model.layers.0 [model.layers.0];" in out
 
 
 def test_guide_skeleton_expert_parallel(tmp_path):
@@ -133,4 +135,4 @@ def test_guide_skeleton_expert_parallel(tmp_path):
     out, _ = run_skeleton(cfg, tmp_path, ["parallel.expert_parallel_size=2"], in_process=True)
     assert "expert par. : ep=2 x efsdp=1" in out
     # the layer's dense unit and its expert unit (over the expert mesh) are gathered as one group
-    assert "gathering plan: model.layers.0 [model.layers.0, model.layers.0.mlp.experts]" in out
+    assert "; model.layers.0 [model.layers.0, model.layers.0.mlp.experts];" in out

@@ -219,8 +219,9 @@ def auto_applies(cls: type, config: Any) -> bool:
     """Whether ``model.attn_implementation: auto`` picks :data:`VARLEN_ATTENTION` for this transformers class:
     a text-only causal language model (a transformers ``...ForCausalLM`` or a subclass of one, e.g. mm's
     ``Qwen3ForTraining``, without sub-configs, whose forward takes
-    ``**kwargs``) that dispatches its attention through ``AttentionInterface``. Anything else (towers,
-    encoders, mm's own models) keeps ``sdpa``."""
+    ``**kwargs``) that dispatches its attention through ``AttentionInterface``, with no attention dropout
+    (``mm_varlen`` has none). Anything else (towers, encoders, mm's own models, ``attention_dropout`` > 0)
+    keeps ``sdpa``."""
     forward = getattr(cls, "forward", None)
     takes_kwargs = callable(forward) and any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values()
@@ -233,6 +234,7 @@ def auto_applies(cls: type, config: Any) -> bool:
             if c.__module__.startswith("transformers.")
         )
         and not getattr(config, "sub_configs", None)
+        and not getattr(config, "attention_dropout", 0.0)
         and takes_kwargs
     )
 
