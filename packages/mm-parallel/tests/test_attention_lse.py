@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mm_parallel.context import SequenceLayout, context_parallel_attention
 from mm_parallel.kernels.attention_lse import (
     NPU_CAUSAL_MASK_SIZE,
+    CudaSdpa,
     attention_lse,
     attention_lse_backward,
     npu_fusion_arguments,
@@ -127,6 +128,36 @@ def test_cuda_path_calls_fused_sdpa_in_bf16():
         ]
         assert ops[0][1][:3] == [torch.bfloat16] * 3 and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 64) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_cuda_masked_16bit_uses_cudnn_where_available():
+    """With cuDNN attention available (fixed here: the choice is made from the device otherwise), a masked
+    bf16 block runs cuDNN's fused attention and its backward with the additive bias, bf16 in; fp32 keeps the
+    memory-efficient kernel and an unmasked bf16 block flash attention."""
+    cuda = CudaSdpa(cudnn=True)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+        mask = torch.ones(2, 64, 64, dtype=torch.bool, device="cuda")
+        with _Record() as rec:
+            out, lse = cuda.forward(q, k, v, 0.1, False, mask)
+            dq, dk, dv = cuda.backward(out, q, k, v, out, lse, 0.1, False, mask)
+        ops = rec.attention_ops()
+        assert [c[0] for c in ops] == [
+            "aten._scaled_dot_product_cudnn_attention.default",
+            "aten._scaled_dot_product_cudnn_attention_backward.default",
+        ]
+        assert ops[0][1][:4] == [torch.bfloat16] * 4  # q, k, v and the bias
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 64)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.dtype == torch.bfloat16
+        with _Record() as rec:
+            cuda.forward(q.float(), k.float(), v.float(), 0.1, False, mask)
+            cuda.forward(q, k, v, 0.1, True, None)
+        assert [c[0] for c in rec.attention_ops()] == [
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_flash_attention.default",
+        ]
 
 
 def test_npu_arguments():

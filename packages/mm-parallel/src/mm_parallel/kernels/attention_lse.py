@@ -9,8 +9,11 @@ then the block's part of the softmax over all keys). Every entry keeps the input
 - ``cpu``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (grouped-query heads
   natively, an additive mask, fp64/fp32/bf16/fp16).
 - ``cuda``: ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``) for fp16/bf16 without a mask
-  (grouped-query heads natively); else ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``),
-  which takes an additive bias and fp32, with key/value heads repeated for grouped-query attention.
+  (grouped-query heads natively); fp16/bf16 with a mask: ``aten._scaled_dot_product_cudnn_attention``
+  (+ ``_backward``, an additive bias) where cuDNN's fused attention is available (compute capability 9.0
+  or later, cuDNN SDPA enabled in ``torch.backends.cuda``), else — and for fp32 —
+  ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``), which takes an additive bias and
+  fp32; key/value heads are repeated for grouped-query attention on both.
 - ``npu``: ``torch_npu.npu_fusion_attention`` (+ ``npu_fusion_attention_grad``), BNSD layout, grouped-query
   heads natively; causal through ``sparse_mode=3`` and its compressed 2048 x 2048 mask, other masks as a
   boolean ``atten_mask`` (True = masked); the log-sum-exp is ``softmax_max + log(softmax_sum)``.
@@ -130,8 +133,31 @@ def _use_cuda_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     return mask is None and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256
 
 
+def cudnn_attention_available() -> bool:
+    """Whether cuDNN's fused attention can run here: a CUDA device of compute capability 9.0 or later
+    (Hopper, Blackwell), cuDNN present and cuDNN SDPA not switched off (``torch.backends.cuda``)."""
+    return (
+        torch.cuda.is_available()
+        and bool(torch.backends.cudnn.is_available())  # type: ignore[no-untyped-call]
+        and bool(torch.backends.cuda.cudnn_sdp_enabled())  # type: ignore[no-untyped-call]
+        and torch.cuda.get_device_capability() >= (9, 0)
+    )
+
+
 class CudaSdpa:
-    """Flash attention (16-bit, no mask) or memory-efficient attention (fp32, or a mask) on CUDA."""
+    """Flash attention (16-bit, no mask), cuDNN attention (16-bit with a mask, where available) or
+    memory-efficient attention (fp32, or a mask without cuDNN) on CUDA. ``cudnn``: None decides by
+    :func:`cudnn_attention_available` at the first masked 16-bit call; True/False fix the choice."""
+
+    def __init__(self, cudnn: bool | None = None) -> None:
+        self.cudnn = cudnn
+
+    def _use_cudnn(self, q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        if mask is None or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128:
+            return False
+        if self.cudnn is None:
+            self.cudnn = cudnn_attention_available()
+        return bool(self.cudnn)
 
     def forward(
         self,
@@ -147,6 +173,11 @@ class CudaSdpa:
             return res[0], res[1]
         heads = q.shape[1]
         bias = None if mask is None else _bias(mask, q.dtype, align=16).expand(-1, heads, -1, -1)
+        if self._use_cudnn(q, mask):
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, True, 0.0, causal, False, scale=scale
+            )
+            return res[0], res[1].squeeze(-1)  # the log-sum-exp comes as [batch, heads, q_len, 1]
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, True, 0.0, causal, scale=scale
         )
@@ -174,8 +205,29 @@ class CudaSdpa:
             )
             return dq, dk, dv
         bias = None if mask is None else _bias(mask, q.dtype, align=16).expand(-1, heads, -1, -1)
-        padded = torch.cat([lse, lse.new_zeros(b, heads, -n % 32)], dim=-1)
         kv_heads = k.shape[1]
+        if bias is not None and self._use_cudnn(q, mask):
+            # no dropout: the random-state tensors and the sequence offsets (nested inputs only) are unused
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout,
+                q,
+                _repeat_kv(k, heads),
+                _repeat_kv(v, heads),
+                out,
+                lse.unsqueeze(-1),
+                seed,
+                offset,
+                bias,
+                None,
+                None,
+                n,
+                k.shape[2],
+                0.0,
+                causal,
+                scale=scale,
+            )
+            return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
+        padded = torch.cat([lse, lse.new_zeros(b, heads, -n % 32)], dim=-1)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout,
             q,
