@@ -64,8 +64,6 @@ class KimiK25ForTraining(TransformersExperts, Kimi_K25ForConditionalGeneration):
             "model.language_model.layers.{*}.mlp.gate",
         ),
         output_head="lm_head",
-        input_embedding="model.language_model.embed_tokens",
-        output_norm="model.language_model.norm",
         router_loss_refusal=(
             "routes DeepSeek-V3 style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: "
             "auxiliary-loss-free balancing)"

@@ -119,8 +119,6 @@ class MiniMaxM3VLForTraining(TransformersExperts, MiniMaxM3SparseForConditionalG
             "model.language_model.layers.{*}.mlp.gate",
         ),
         output_head="lm_head",
-        input_embedding="model.language_model.embed_tokens",
-        output_norm="model.language_model.norm",
         init_weights=init_minimax_m3_vl,
         frozen_reasons=((INDEXER, INDEXER_REASON),),
     )

@@ -17,8 +17,10 @@ VISION_TOWER = "model.visual"
 PROJECTOR = "model.visual.merger"
 
 
-#: Vision blocks and language layers are separate FSDP (and recompute) units, and so are the token embedding
-#: and the final norm with the head; the patch embedding and projector stay in the root unit. Context
+#: Vision blocks and language layers are separate FSDP (and recompute) units; the token embedding, final norm,
+#: head, patch embedding and projector stay in the root unit (models with towers keep no edge units: with
+#: them a rank whose micro-batch has no image, running the idle tower, met another rank's edge-unit
+#: collective under gloo — see docs/performance.md). Context
 #: parallelism: the vision tower and the 3-D (mRoPE) positions see the whole sequence; mm splits it at the
 #: language model's input, deepstack features (one row per image token) included.
 QWEN_VL_PLAN = ModelPlan(
@@ -28,8 +30,6 @@ QWEN_VL_PLAN = ModelPlan(
     cp_split_module="model.language_model",
     cp_packed_inputs=(("deepstack_visual_embeds", "visual_pos_masks"),),
     output_head="lm_head",
-    input_embedding="model.language_model.embed_tokens",
-    output_norm="model.language_model.norm",
 )
 
 
@@ -54,6 +54,7 @@ class QwenVLPlans:
         if (
             isinstance(position_ids, torch.Tensor)
             and position_ids.dim() == 2
+            and position_ids.shape[0] == 1
             and kwargs.get("attention_mask") is None
         ):
             kwargs = self._packed_positions(kwargs)  # a packed row (data.dataloader_param.packing)
@@ -78,13 +79,6 @@ class QwenVLPlans:
         vision tower would read them as its own with flash attention; the language model finds the same
         documents from the positions."""
         model: Any = self.model  # type: ignore[attr-defined]
-        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
-        if "linear_attention" in layer_types:
-            raise ValueError(
-                "data.dataloader_param.packing: the linear-attention (Gated DeltaNet) layers of "
-                f"{type(self).__name__} carry their state across the samples of a packed row; set packing: "
-                "false for this model"
-            )
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             kwargs.pop(key, None)
         input_ids, text = kwargs["input_ids"], kwargs["position_ids"]
@@ -101,6 +95,13 @@ class QwenVLPlans:
         starts = (text[0] == 0).nonzero().flatten().tolist()
         bounds = [*starts, text.shape[1]] if starts and starts[0] == 0 else [0, *starts, text.shape[1]]
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+        if len(lengths) > 1 and "linear_attention" in layer_types:
+            raise ValueError(
+                "data.dataloader_param.packing: the linear-attention (Gated DeltaNet) layers of "
+                f"{type(self).__name__} carry their state across the samples of a packed row; set packing: "
+                "false for this model"
+            )
         ids = input_ids.new_zeros(len(lengths), max(lengths))
         each_types = types.new_zeros(ids.shape)
         mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)

@@ -36,8 +36,6 @@ QWEN3_ASR_PLAN = ModelPlan(
     muon_exclude_modules=AUDIO_STEM,
     cp_split_module="model.language_model",
     output_head="lm_head",
-    input_embedding="model.language_model.embed_tokens",
-    output_norm="model.language_model.norm",
 )
 
 

@@ -69,8 +69,6 @@ QWEN3_OMNI_MOE_PLAN = ModelPlan(
     cp_split_module=QWEN_VL_PLAN.cp_split_module,
     cp_packed_inputs=QWEN_VL_PLAN.cp_packed_inputs,
     output_head="lm_head",
-    input_embedding="model.language_model.embed_tokens",
-    output_norm="model.language_model.norm",
     init_weights=init_qwen3_omni_moe,
 )
 

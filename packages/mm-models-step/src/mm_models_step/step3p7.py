@@ -75,8 +75,6 @@ STEP3P7_PLAN = ModelPlan(
         "model.language_model.embed_tokens",
     ),
     output_head="lm_head",
-    input_embedding="model.language_model.embed_tokens",
-    output_norm="model.language_model.norm",
     router_loss_refusal="routes by sigmoid scores plus a balancing bias and has no auxiliary loss",
     init_weights=init_expert_adapters,
 )

@@ -90,9 +90,13 @@ def build_hf_config(model_cls: type[PreTrainedModel], args: ModelConfig) -> Pret
 
 def _check_model_type(model_cls: type[PreTrainedModel], args: ModelConfig, config: PretrainedConfig) -> None:
     """A folder of another architecture (qwen3 weights under ``model_id: qwen3_moe``) is named before the
-    model class reads a field its config lacks."""
+    model class reads a field its config lacks. A folder whose config holds the model's config as a
+    sub-config (a whole Qwen3-Omni folder for the ``qwen3_omni_moe`` thinker) is accepted."""
     expected = model_cls.config_class
     if expected is None or isinstance(config, expected):
+        return
+    subs = getattr(config, "sub_configs", None) or {}
+    if any(isinstance(getattr(config, key, None), expected) for key in subs):
         return
     wanted = str(getattr(expected, "model_type", "") or expected.__name__)
     found = str(getattr(config, "model_type", "") or type(config).__name__)
