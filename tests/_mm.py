@@ -91,6 +91,22 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def checkpoint_tensors(ckpt: Path, suffix: str = "") -> dict[str, Any]:
+    """The model tensors (keys ``model.*`` ending in ``suffix``) of a DCP checkpoint folder, read with the
+    shapes and dtypes of its metadata and nothing unpickled."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.items()
+        if k.startswith("model.") and k.endswith(suffix)
+    }
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return state
+
+
 def assert_close_series(a: list[float], b: list[float], rtol: float, what: str) -> None:
     assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} values"
     for i, (x, y) in enumerate(zip(a, b)):

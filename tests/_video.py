@@ -172,18 +172,14 @@ def assert_export_loads(ckpt: Path, dst: Path, diffusers_class: str) -> None:
     that diffusers' ``diffusers_class`` loads, with the checkpoint's weights (all of them, under diffusers'
     names)."""
     import diffusers
-    import torch.distributed.checkpoint as dcp
-    from _mm import mm_here
-    from torch.distributed.checkpoint import FileSystemReader
+    from _mm import checkpoint_tensors, mm_here
 
     proc = mm_here("convert", "dcp-to-hf", str(ckpt), str(dst))
     assert proc.returncode == 0, proc.stderr
     config = json.loads((dst / "config.json").read_text())
     assert config["_class_name"] == diffusers_class and "architectures" not in config
     model = getattr(diffusers, diffusers_class).from_pretrained(dst)
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k[:6] == "model."}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    state = checkpoint_tensors(ckpt)
     exported = model.state_dict()
     assert sorted(exported) == sorted(k[6:] for k in state)
     for name, value in exported.items():

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
 from _launch import run_in_one_launch
-from _mm import REPO, assert_close_series, read_metrics
+from _mm import REPO, assert_close_series, checkpoint_tensors, read_metrics
 from _plugin_moe import TINY_DEEPSEEK_V3
 from _tiny import QWEN3_MOE
 from test_ep_parity import moe_config
-from torch.distributed.checkpoint import FileSystemReader
 
 RATE = 1e-3
 STEPS = 4
@@ -117,13 +115,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 
 def biases(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The routers' correction biases saved in a DCP checkpoint folder."""
-    meta = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in meta.items()
-        if k.startswith("model.") and k.endswith("e_score_correction_bias")
-    }
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    state = checkpoint_tensors(checkpoint, "e_score_correction_bias")
     return {k[len("model.") :]: v for k, v in state.items()}
 
 

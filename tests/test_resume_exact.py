@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from _launch import run_in_one_launch
-from _mm import QUICKSTART, REPO, read_metrics
-from torch.distributed.checkpoint import FileSystemReader
+from _mm import QUICKSTART, REPO, checkpoint_tensors, read_metrics
 
 from mm_core.checkpoint import read_latest
 
@@ -83,13 +81,6 @@ def test_without_saved_rng_dropout_differs(runs, straight):
     assert any(r["loss"] != ref[r["step"]] for r in resumed)
 
 
-def _model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k[:6] == "model."}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    return state
-
-
 def _worker_pid(agent: int, rank: int) -> int | None:
     """The worker process of ``rank`` started by the torchrun agent ``agent``."""
     for entry in os.listdir("/proc"):
@@ -136,7 +127,7 @@ def test_killed_worker_restarts_and_resumes_to_equal_weights(straight, tmp_path)
     output = (tmp_path / "torchrun.log").read_text()
     assert f"loaded {save}/step_" in output, output[-3000:]  # the restarted job resumed from a checkpoint
     assert read_latest(save).name == "step_10"
-    ours, ref = _model_tensors(save / "step_10"), _model_tensors(straight / "ckpt" / "step_10")
+    ours, ref = checkpoint_tensors(save / "step_10"), checkpoint_tensors(straight / "ckpt" / "step_10")
     assert ours.keys() == ref.keys()
     for k in ref:
         assert torch.equal(ours[k], ref[k]), k
