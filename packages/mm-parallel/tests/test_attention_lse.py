@@ -99,14 +99,19 @@ def test_cpu_kernel_keeps_bf16():
     ]
 
 
+def _fake_cuda_block() -> tuple[torch.Tensor, ...]:
+    """bf16 q [2, 8, 64, 64], k/v with 2 key/value heads and an all-true mask, on (fake) cuda."""
+    q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, torch.ones(2, 64, 64, dtype=torch.bool, device="cuda")
+
+
 def test_cuda_path_calls_fused_sdpa_in_bf16():
     """On (fake) CUDA tensors: flash attention for bf16 without a mask (grouped-query heads unrepeated),
     memory-efficient attention with a mask; bf16 reaches both, forward and backward."""
     with FakeTensorMode(allow_non_fake_inputs=False):
-        q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-        mask = torch.ones(2, 64, 64, dtype=torch.bool, device="cuda")
+        q, k, v, mask = _fake_cuda_block()
         with _Record() as rec:
             out, lse = attention_lse(q, k, v, 0.1, True)
             dq, dk, dv = attention_lse_backward(out, q, k, v, out, lse, 0.1, True)
@@ -136,10 +141,7 @@ def test_cuda_masked_16bit_uses_cudnn_where_available():
     memory-efficient kernel and an unmasked bf16 block flash attention."""
     cuda = CudaSdpa(cudnn=True)
     with FakeTensorMode(allow_non_fake_inputs=False):
-        q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-        mask = torch.ones(2, 64, 64, dtype=torch.bool, device="cuda")
+        q, k, v, mask = _fake_cuda_block()
         with _Record() as rec:
             out, lse = cuda.forward(q, k, v, 0.1, False, mask)
             dq, dk, dv = cuda.backward(out, q, k, v, out, lse, 0.1, False, mask)

@@ -173,13 +173,14 @@ class CudaSdpa:
             return res[0], res[1]
         heads = q.shape[1]
         bias = None if mask is None else _bias(mask, q.dtype, align=16).expand(-1, heads, -1, -1)
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         if self._use_cudnn(q, mask):
             res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, True, 0.0, causal, False, scale=scale
+                q, k, v, bias, True, 0.0, causal, False, scale=scale
             )
             return res[0], res[1].squeeze(-1)  # the log-sum-exp comes as [batch, heads, q_len, 1]
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, True, 0.0, causal, scale=scale
+            q, k, v, bias, True, 0.0, causal, scale=scale
         )
         # the log-sum-exp comes padded to a multiple of 32 rows
         return res[0], res[1].narrow(-1, 0, q.shape[2])
@@ -205,14 +206,15 @@ class CudaSdpa:
             )
             return dq, dk, dv
         bias = None if mask is None else _bias(mask, q.dtype, align=16).expand(-1, heads, -1, -1)
-        kv_heads = k.shape[1]
-        if bias is not None and self._use_cudnn(q, mask):
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        if self._use_cudnn(q, mask):
             # no dropout: the random-state tensors and the sequence offsets (nested inputs only) are unused
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 dout,
                 q,
-                _repeat_kv(k, heads),
-                _repeat_kv(v, heads),
+                k,
+                v,
                 out,
                 lse.unsqueeze(-1),
                 seed,
@@ -221,7 +223,7 @@ class CudaSdpa:
                 None,
                 None,
                 n,
-                k.shape[2],
+                k_len,
                 0.0,
                 causal,
                 scale=scale,
@@ -231,8 +233,8 @@ class CudaSdpa:
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout,
             q,
-            _repeat_kv(k, heads),
-            _repeat_kv(v, heads),
+            k,
+            v,
             bias,
             out,
             padded,
