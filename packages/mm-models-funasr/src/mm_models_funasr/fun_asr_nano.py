@@ -32,6 +32,8 @@ FUN_ASR_NANO_PLAN = ModelPlan(
     muon_exclude_modules=("model.audio_tower.layers.{*}.self_attn.fsmn",),
     cp_split_module="model.language_model",
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
 )
 
 

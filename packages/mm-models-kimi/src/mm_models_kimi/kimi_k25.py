@@ -64,6 +64,8 @@ class KimiK25ForTraining(TransformersExperts, Kimi_K25ForConditionalGeneration):
             "model.language_model.layers.{*}.mlp.gate",
         ),
         output_head="lm_head",
+        input_embedding="model.language_model.embed_tokens",
+        output_norm="model.language_model.norm",
         router_loss_refusal=(
             "routes DeepSeek-V3 style (sigmoid scores, top-k chosen with the e_score_correction_bias buffer: "
             "auxiliary-loss-free balancing)"
@@ -88,13 +90,23 @@ class KimiK25ForTraining(TransformersExperts, Kimi_K25ForConditionalGeneration):
         return features.sum() * 0.0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``Kimi_K25ForConditionalGeneration.forward``; a training forward with grad and no ``pixel_values``
-        runs :meth:`_idle_vision_tower` first and adds its 0 × result to the logits (mm's own loss) and to
+        """``Kimi_K25ForConditionalGeneration.forward`` with the vision tower run before the token embedding
+        (as ``mm_encoder_outputs``); a training forward with grad and no ``pixel_values`` runs
+        :meth:`_idle_vision_tower` first and adds its 0 × result to the logits (mm's own loss) and to
         ``.loss`` when labels were given (``loss_type: raw``), so the vision units' backward runs on every
         rank either way. (Under context parallelism mm passes the whole sequence's positions to the language
         model, which would otherwise number each rank's shard from 0.)"""
         idle = None
-        if self.training and kwargs.get("pixel_values") is None and torch.is_grad_enabled():
+        pixel_values = kwargs.pop("pixel_values", None)
+        if pixel_values is not None:
+            # the vision tower before the token embedding (transformers runs it after), as the idle tower
+            # below: every rank runs the FSDP units (the embedding is one) in one order, whatever it holds
+            kwargs["mm_encoder_outputs"] = {
+                "image": cast(Any, self.model).get_image_features(
+                    pixel_values, kwargs.get("image_grid_thw"), return_dict=True
+                )
+            }
+        elif self.training and torch.is_grad_enabled():
             idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
         out = super().forward(*args, **kwargs)
         if idle is not None:

@@ -119,6 +119,8 @@ class MiniMaxM3VLForTraining(TransformersExperts, MiniMaxM3SparseForConditionalG
             "model.language_model.layers.{*}.mlp.gate",
         ),
         output_head="lm_head",
+        input_embedding="model.language_model.embed_tokens",
+        output_norm="model.language_model.norm",
         init_weights=init_minimax_m3_vl,
         frozen_reasons=((INDEXER, INDEXER_REASON),),
     )
@@ -192,17 +194,22 @@ class MiniMaxM3VLForTraining(TransformersExperts, MiniMaxM3SparseForConditionalG
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        """transformers' forward (same parameters, in the same order) with, in training, the idle vision
-        tower."""
+        """transformers' forward (same parameters, in the same order) with the vision tower run before the
+        token embedding (as ``mm_encoder_outputs``; transformers runs it after) and, in training, the idle
+        vision tower: every rank runs the FSDP units (the embedding is one) in one order."""
         idle = None
-        if self.training and torch.is_grad_enabled():
-            no_images = pixel_values is None and pixel_values_videos is None
-            if no_images and kwargs.get("mm_encoder_outputs") is None:
-                idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
+        model: Any = self.model
+        encoders = dict(kwargs.pop("mm_encoder_outputs", None) or {})
+        if pixel_values is not None:
+            encoders["image"] = model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+        if pixel_values_videos is not None:
+            videos = model.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True)
+            encoders["video"] = videos
+        if self.training and torch.is_grad_enabled() and not encoders:
+            idle = self._idle_vision_tower()  # first, so every rank runs the FSDP units in the same order
         out = super().forward(
             input_ids=input_ids,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
+            mm_encoder_outputs=encoders or None,
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             attention_mask=attention_mask,

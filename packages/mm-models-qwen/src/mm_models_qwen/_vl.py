@@ -17,10 +17,8 @@ VISION_TOWER = "model.visual"
 PROJECTOR = "model.visual.merger"
 
 
-#: Vision blocks and language layers are separate FSDP (and recompute) units; the token embedding, final norm,
-#: head, patch embedding and projector stay in the root unit (models with towers keep no edge units: with
-#: them a rank whose micro-batch has no image, running the idle tower, met another rank's edge-unit
-#: collective under gloo — see docs/performance.md). Context
+#: Vision blocks and language layers are separate FSDP (and recompute) units, and so are the token embedding
+#: and the final norm with the head; the patch embedding and projector stay in the root unit. Context
 #: parallelism: the vision tower and the 3-D (mRoPE) positions see the whole sequence; mm splits it at the
 #: language model's input, deepstack features (one row per image token) included.
 QWEN_VL_PLAN = ModelPlan(
@@ -30,6 +28,8 @@ QWEN_VL_PLAN = ModelPlan(
     cp_split_module="model.language_model",
     cp_packed_inputs=(("deepstack_visual_embeds", "visual_pos_masks"),),
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
 )
 
 
@@ -127,27 +127,39 @@ class QwenVLPlans:
         pixel_values_videos: torch.Tensor | None,
         video_grid_thw: torch.Tensor | None,
     ) -> dict[str, Any]:
-        """transformers' ``mm_encoder_outputs`` (``"image"``, ``"video"``, each where given) from one pass of
-        the vision tower over the images and videos together (each image or video attends within itself, so
-        its features are those of separate passes)."""
+        """:func:`vision_features` of this model."""
         model: Any = self.model  # type: ignore[attr-defined]
-        parts: list[tuple[str, Any, Any]] = [
-            (k, p, g)
-            for k, p, g in (
-                ("image", pixel_values, image_grid_thw),
-                ("video", pixel_values_videos, video_grid_thw),
-            )
-            if p is not None
-        ]
-        pixels = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
-        grid = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
-        both = model.get_image_features(pixels, grid, return_dict=True)
-        out, start = {}, 0
-        for kind, _, g in parts:
-            count = len(g)
-            out[kind] = _items(both, start, start + count)
-            start += count
-        return out
+        return vision_features(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+
+
+def vision_features(
+    model: Any,
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+) -> dict[str, Any]:
+    """transformers' ``mm_encoder_outputs`` (``"image"``, ``"video"``, each where given) from one pass of the
+    vision tower of ``model`` (a transformers ``*Model`` with ``get_image_features``) over the images and
+    videos together (each image or video attends within itself, so its features are those of separate
+    passes). Shared by the Qwen-VL models and Qwen3-Omni's thinker."""
+    parts: list[tuple[str, Any, Any]] = [
+        (k, p, g)
+        for k, p, g in (
+            ("image", pixel_values, image_grid_thw),
+            ("video", pixel_values_videos, video_grid_thw),
+        )
+        if p is not None
+    ]
+    pixels = torch.cat([p for _, p, _ in parts]) if len(parts) > 1 else parts[0][1]
+    grid = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2]
+    both = model.get_image_features(pixels, grid, return_dict=True)
+    out, start = {}, 0
+    for kind, _, g in parts:
+        count = len(g)
+        out[kind] = _items(both, start, start + count)
+        start += count
+    return out
 
 
 def _items(features: Any, start: int, stop: int | None) -> Any:

@@ -36,6 +36,8 @@ QWEN3_ASR_PLAN = ModelPlan(
     muon_exclude_modules=AUDIO_STEM,
     cp_split_module="model.language_model",
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
 )
 
 
@@ -56,6 +58,11 @@ class Qwen3ASRForTraining(Qwen3ASRForConditionalGeneration):
     def forward(self, *args: Any, input_features: torch.Tensor | None = None, **kwargs: Any) -> Any:
         idle = None
         if self.training and input_features is None and torch.is_grad_enabled():
-            idle = self._idle_audio_tower()  # first, as the forward runs the tower before the decoder
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if input_ids is not None and kwargs.get("inputs_embeds") is None:
+                # the token embedding (an FSDP unit) first, as transformers' forward runs it before the real
+                # audio tower: every rank runs the units in one order
+                kwargs["inputs_embeds"] = self.get_input_embeddings()(input_ids)
+            idle = self._idle_audio_tower()  # before the decoder, as the real tower
         out = super().forward(*args, input_features=input_features, **kwargs)
         return add_idle(out, idle)

@@ -69,6 +69,8 @@ QWEN3_OMNI_MOE_PLAN = ModelPlan(
     cp_split_module=QWEN_VL_PLAN.cp_split_module,
     cp_packed_inputs=QWEN_VL_PLAN.cp_packed_inputs,
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
     init_weights=init_qwen3_omni_moe,
 )
 
@@ -161,6 +163,10 @@ class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerFor
             if not encoders:
                 idle = self._idle_vision_tower()
             if input_features is None:
+                if input_ids is not None and kwargs.get("inputs_embeds") is None:
+                    # the token embedding (an FSDP unit) before the idle audio tower, as it runs before the
+                    # real one (_embeds_with_audio): every rank runs the units in one order
+                    kwargs["inputs_embeds"] = self.get_input_embeddings()(input_ids)
                 audio = self._idle_audio_tower()
                 idle = audio if idle is None else idle + audio
         given = ("position_ids", "attention_mask", "cache", "past_key_values")

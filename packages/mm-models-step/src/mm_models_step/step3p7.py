@@ -75,6 +75,8 @@ STEP3P7_PLAN = ModelPlan(
         "model.language_model.embed_tokens",
     ),
     output_head="lm_head",
+    input_embedding="model.language_model.embed_tokens",
+    output_norm="model.language_model.norm",
     router_loss_refusal="routes by sigmoid scores plus a balancing bias and has no auxiliary loss",
     init_weights=init_expert_adapters,
 )
@@ -129,17 +131,18 @@ class Step3p7ForTraining(TransformersExperts, Step3p7ForConditionalGeneration):
         if isinstance(num_local_patches, torch.Tensor):
             num_local_patches = [int(n) for n in num_local_patches.tolist()]
         idle = None
+        if pixel_values is not None:
+            # the vision tower before the token embedding (transformers runs it after), as the idle tower
+            # below: every rank runs the FSDP units (the embedding is one) in one order, whatever it holds
+            features = self.model.get_image_features(
+                pixel_values, pixel_values_local, num_local_patches, return_dict=True
+            )
+            kwargs["mm_encoder_outputs"] = {"image": features}
         if self.training and torch.is_grad_enabled():
             missing = (pixel_values is None) + (pixel_values_local is None)
             if missing:
-                idle = self._idle_vision_tower(missing)  # first, so every rank runs the units in one order
-        out = super().forward(
-            *args,
-            pixel_values=pixel_values,
-            pixel_values_local=pixel_values_local,
-            num_local_patches=num_local_patches,
-            **kwargs,
-        )
+                idle = self._idle_vision_tower(missing)  # before the embedding, after the views that ran
+        out = super().forward(*args, **kwargs)
         if idle is not None:  # in the logits (mm's loss) and in the model's own loss (loss_type raw)
             out.logits = out.logits + idle
             if out.loss is not None:

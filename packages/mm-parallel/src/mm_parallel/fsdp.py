@@ -63,8 +63,12 @@ def apply_fsdp(
     A unit is a submodule of ``model`` or a list of them (one ``fully_shard`` call: one all-gather and one
     reduce-scatter for all of them). Nested units are fine (inner ones first). Units in
     ``keep_after_forward`` (the same objects as in ``units``) stay gathered after their forward whatever
-    ``reshard_after_forward`` says: the last unit of a forward, whose backward runs right after it. Returns
-    the root, which is now an :class:`FSDPModule`.
+    ``reshard_after_forward`` says: the last unit of a forward, whose backward runs right after it. The root
+    stays gathered from its forward into the backward (torch's own default for a root): the backward gathers
+    it at its start anyway, and where the root's output is not the head's (a model adding an idle tower's
+    ``0 ×`` output to the logits on one rank only) a root resharded after forward would be gathered again at
+    a different point of each rank's backward — a collective mismatch. Returns the root, which is now an
+    :class:`FSDPModule`.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -91,4 +95,4 @@ def apply_fsdp(
         reshard = reshard_after_forward and id(unit) not in kept
         fully_shard(members[0] if len(members) == 1 else members, reshard_after_forward=reshard, **kwargs)
     # the same object, its class now also an FSDPModule
-    return fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return fully_shard(model, reshard_after_forward=False, **kwargs)
