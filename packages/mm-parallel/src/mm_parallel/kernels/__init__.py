@@ -5,12 +5,16 @@
   document.
 - ``rms_norm``: ``npu`` ``npu_rms_norm``; elsewhere ``F.rms_norm``.
 - ``rotary``: ``npu`` ``npu_rotary_mul``; elsewhere the rotate-half formula.
-- ``grouped_mm``: ``npu`` ``npu_grouped_matmul``; elsewhere ``torch._grouped_mm``.
+- ``grouped_mm``: ``npu`` ``npu_grouped_matmul`` (forward and, through an autograd function, backward);
+  elsewhere ``torch._grouped_mm``. mm's expert MLPs call the ``npu`` entry
+  (:func:`mm_parallel.moe.grouped.fused_grouped_mm`).
 - ``attention_lse``: :mod:`mm_parallel.kernels.attention_lse`, which dispatches on the device type itself.
 
 Every entry of one op takes the same arguments (see the modules :mod:`.varlen`, :mod:`.norm`, :mod:`.rotary`,
-:mod:`.grouped_mm`); the torch entries are the references the tests hold the others to. ``torch_npu`` is
-imported only inside the ``npu`` entries, so this package imports and runs without it.
+:mod:`.grouped_mm`); the torch entries are the references the tests hold the others to (the ``npu`` ones on
+CPU against a stand-in ``torch_npu`` written after its documentation: mm's calls are checked there, Ascend's
+kernels await a device). ``torch_npu`` is imported only inside the ``npu`` entries, so this package imports
+and runs without it.
 """
 
 from __future__ import annotations
