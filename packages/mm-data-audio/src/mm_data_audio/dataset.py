@@ -1,22 +1,24 @@
-"""The dataset both ``audio_sft`` and ``asr_manifest`` are: records turned into (turns, audios, images),
-encoded when a sample is fetched.
+"""The dataset both ``audio_sft`` and ``asr_manifest`` are: records turned into (turns, audios, images,
+videos), encoded when a sample is fetched.
 
-No prepared cache: construction reads the dataset files once (JSON parsing and a ``stat`` of every audio and
-image path: about a second for 10k records) and keeps the parsed records in memory. Token counts, needed
-only for ``sample_lengths()`` (token-budget batching) and ``prepared_summary()``, are computed on first use
-from the audio and image headers (``soundfile.info``, ``PIL.Image.open``: nothing decoded) through the same
-encoder a sample goes through, so they are exactly the sample's lengths. A sample's audio is decoded when it
-is fetched (in DataLoader workers); the refusals its header decides (too long, wrong rate, over
-``cutoff_len``) come before any decoding.
+No prepared cache: construction reads the dataset files once (JSON parsing and a ``stat`` of every audio,
+image and video path: about a second for 10k records) and keeps the parsed records in memory. Token counts,
+needed only for ``sample_lengths()`` (token-budget batching) and ``prepared_summary()``, are computed on first
+use from the media headers (``soundfile.info``, ``PIL.Image.open``, the video container's: nothing decoded,
+:mod:`.media`) through the same encoder a sample goes through, so they are exactly the sample's lengths. A
+sample's media are decoded when it is fetched (in DataLoader workers); the refusals its headers decide (too
+long, wrong rate, over ``cutoff_len``) come before any decoding.
 
 A record that cannot be used is a ``DataError`` naming it (``file:line`` or ``file[index]``) and, for bad
 audio, the audio path; with ``data.dataset_param.on_error: skip`` it is replaced by the next good record and
 counted in the sample's ``skipped_samples`` (the trainer logs the running total):
 
 - invalid structure (not JSON, no conversation, ``<audio>`` count differing from ``audios``, images without
-  an image processor) or a missing audio/image file: raised when the dataset is built, else skipped;
-- an unreadable, empty or too long audio, the wrong rate with ``resample: false``, a conversation that does
-  not encode, or more than ``cutoff_len`` tokens: raised or skipped when the sample is fetched.
+  an image processor, videos without Qwen3-Omni's) or a missing audio/image/video file: raised when the
+  dataset is built, else skipped;
+- an unreadable, empty or too long audio, the wrong rate with ``resample: false``, a video refused from its
+  header (or without a sound track under ``use_audio_in_video``), a conversation that does not encode, or
+  more than ``cutoff_len`` tokens: raised or skipped when the sample is fetched.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ from mm_core.data.plan import DataPlan
 from mm_core.data.skipping import fetch_skipping, next_usable
 from mm_core.errors import DataError
 
-from .audio import audio_info, check_audio, load_audio
 from .encode import AudioProcessor
 from .errors import AudioError, EncodeError
 from .formats import AudioFormat
-from .images import image_size, load_image
+from .media import USE_AUDIO_FIELD, Headers, MediaReader, describe_videos
+from .omni_videos import OmniVideoOptions
 from .records import Record, RecordError, iter_records, resolve_files
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,9 @@ class AudioDataset(torch.utils.data.Dataset):
             sampling_rate=pre["sampling_rate"],
             min_pixels=pre["image_min_pixels"],
             max_pixels=pre["image_max_pixels"],
+            video=OmniVideoOptions.from_params(pre),
         )
+        self.media = MediaReader.from_params(self.processor, pre)
         tok = self.processor.tokenizer
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
         self.audio_token_id = self.processor.audio_token_id
@@ -192,7 +196,12 @@ class AudioDataset(torch.utils.data.Dataset):
                 f"{self.params['model_name_or_path']!r} has no image processor (its preprocessor_config.json "
                 "has no image_processor_type)"
             )
-        for kind, files in (("audio", record.audios), ("image", record.images)):
+        if record.videos and self.processor.videos is None:
+            return record, (
+                f"{where}: the record has videos but the processor at {self.params['model_name_or_path']!r} "
+                "reads none (videos are read for Qwen3-Omni, whose folder also has an image processor)"
+            )
+        for kind, files in (("audio", record.audios), ("image", record.images), ("video", record.videos)):
             for path in files:
                 if not path.is_file():
                     return (
@@ -202,24 +211,14 @@ class AudioDataset(torch.utils.data.Dataset):
         return record, None
 
     # ---- encoding -------------------------------------------------------------------------------------
-    def _header_tokens(self, record: Record) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
-        """Ids and labels from the media headers (nothing decoded), the clips' samples and the image sizes;
-        AudioError / OSError / EncodeError when a header or the conversation is refused."""
-        fmt = self.processor.format
-        samples = [
-            check_audio(
-                p,
-                audio_info(p),
-                fmt.sampling_rate,
-                resample=self.resample,
-                max_seconds=self.max_seconds,
-                max_samples=fmt.max_samples,
-            )
-            for p in record.audios
-        ]
-        sizes = [image_size(p) for p in record.images]
-        ids, labels = self.processor.encode(record.messages, samples, sizes)
-        return ids, labels, samples, sizes
+    def _header_tokens(self, record: Record) -> tuple[list[int], list[int], Headers]:
+        """Ids and labels from the media headers (nothing decoded), and the headers; AudioError / OSError /
+        EncodeError when a header or the conversation is refused."""
+        media = self.media.headers(record)
+        ids, labels = self.processor.encode(
+            record.messages, media.samples, media.sizes, self.media.video_texts(media)
+        )
+        return ids, labels, media
 
     def _too_long(self, where: str, tokens: int) -> str:
         return (
@@ -231,17 +230,11 @@ class AudioDataset(torch.utils.data.Dataset):
         """The encoded sample; DataError naming ``where`` (and the file) when it cannot be built."""
         fmt = self.processor.format
         try:
-            ids, labels, samples, sizes = self._header_tokens(record)
+            ids, labels, media = self._header_tokens(record)
             if len(ids) > self.cutoff_len:
                 raise DataError(self._too_long(where, len(ids)))
-            waves = [
-                load_audio(p, fmt.sampling_rate, resample=self.resample, max_seconds=self.max_seconds)
-                for p in record.audios
-            ]
+            waves, pixels = self.media.load(record, media)
             audio = fmt.features(waves) if waves else {}
-            pixels: dict[str, torch.Tensor] = {}
-            if record.images and self.processor.images is not None:
-                pixels = self.processor.images.pixels([load_image(p) for p in record.images])
         except (AudioError, OSError, EncodeError) as e:
             raise DataError(f"{where}: {e}") from None
         # defects of a family's format, never of the data
@@ -249,8 +242,8 @@ class AudioDataset(torch.utils.data.Dataset):
         found = self.processor.audio_token_count(ids)
         if found != rows:
             raise DataError(
-                f"{where}: {found} audio tokens but the audio tower gets {rows} rows for clips of {samples} "
-                f"samples (the {fmt.name} format of mm-data-audio)"
+                f"{where}: {found} audio tokens but the audio tower gets {rows} rows for clips of "
+                f"{[len(w) for w in waves]} samples (the {fmt.name} format of mm-data-audio)"
             )
         if self.processor.images is not None:
             rows = self.processor.images.feature_rows(pixels)
@@ -258,14 +251,19 @@ class AudioDataset(torch.utils.data.Dataset):
             if found != rows:
                 raise DataError(
                     f"{where}: {found} image tokens but the vision tower gets {rows} rows for images of "
-                    f"sizes {sizes} (the Qwen-VL images of mm-data-audio)"
+                    f"sizes {media.sizes} (the Qwen-VL images of mm-data-audio)"
                 )
+        found, rows = self.processor.video_token_count(ids), self.media.video_rows(pixels)
+        if found != rows:
+            raise DataError(f"{where}: {found} video tokens but the vision tower gets {rows} rows")
         sample: dict[str, Any] = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
         }
         sample.update(audio)
         sample.update(pixels)
+        if any(track is not None for track in media.tracks):
+            sample[USE_AUDIO_FIELD] = True
         return sample
 
     def encode(self, index: int) -> dict[str, Any]:
@@ -383,6 +381,7 @@ class AudioDataset(torch.utils.data.Dataset):
         more = ", ..." if len(self.files) > 1 else ""
         limit = f"{self.max_seconds:g} s" if self.max_seconds else "no limit"
         images = ", Qwen-VL images" if self.processor.images is not None else ""
+        images += describe_videos(self.media)
         return [
             f"{len(self.files)} file(s), {size / 2**20:.1f} MiB ({self.files[0]}{more}); processor "
             f"{Path(self.params['model_name_or_path'])}: {self.format.describe()}{images}; clips over "

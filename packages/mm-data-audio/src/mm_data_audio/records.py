@@ -1,5 +1,6 @@
-"""Reading records: LLaMA-Factory / ShareGPT style conversations with ``<audio>`` (and ``<image>``)
-placeholders, and ASR manifest lines, both turned into one :class:`Record` (turns, audio paths, image paths).
+"""Reading records: LLaMA-Factory / ShareGPT style conversations with ``<audio>`` (and ``<image>``,
+``<video>``) placeholders, and ASR manifest lines, both turned into one :class:`Record` (turns, audio, image
+and video paths).
 The ShareGPT layout itself (turns, file lists, JSON/JSONL files) is read by :mod:`mm_core.data.records`,
 shared with mm-data-vlm.
 
@@ -10,6 +11,7 @@ naming it. A problem with a whole file is a ``DataError`` naming the file.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,12 @@ from mm_core.data.records import (
     resolve_files,
     resolve_path,
 )
+from mm_data_vlm.records import VIDEO_PLACEHOLDER
 
 __all__ = [
     "AUDIO_PLACEHOLDER",
     "IMAGE_PLACEHOLDER",
+    "VIDEO_PLACEHOLDER",
     "Record",
     "RecordError",
     "check_placeholders",
@@ -46,13 +50,18 @@ class Record:
     messages: tuple[dict[str, str], ...]
     audios: tuple[Path, ...]
     images: tuple[Path, ...]
+    videos: tuple[Path, ...] = ()
 
 
-def check_placeholders(messages: list[dict[str, str]], audios: list[Path], images: list[Path]) -> None:
-    """One ``<audio>`` per audio and one ``<image>`` per image, else a RecordError saying which disagree."""
+def check_placeholders(
+    messages: list[dict[str, str]], audios: list[Path], images: list[Path], videos: Sequence[Path] = ()
+) -> None:
+    """One ``<audio>`` per audio, one ``<image>`` per image and one ``<video>`` per video, else a RecordError
+    saying which disagree."""
     for placeholder, files, key in (
         (AUDIO_PLACEHOLDER, audios, "audios"),
         (IMAGE_PLACEHOLDER, images, "images"),
+        (VIDEO_PLACEHOLDER, videos, "videos"),
     ):
         found = sum(m["content"].count(placeholder) for m in messages)
         if found != len(files):
@@ -63,12 +72,14 @@ def check_placeholders(messages: list[dict[str, str]], audios: list[Path], image
 
 
 def sft_record(record: dict[str, Any], dataset_dir: str | None) -> Record:
-    """An ``audio_sft`` record: ``messages``/``conversations`` + ``audios`` (+ ``images``)."""
+    """An ``audio_sft`` record: ``messages``/``conversations`` + ``audios`` (+ ``images``, ``videos``: video
+    files, ``video`` read when there is no ``videos``)."""
     messages = record_turns(record)
     audios = record_paths(record.get("audios", []), "audios", dataset_dir)
     images = record_paths(record.get("images", []), "images", dataset_dir)
-    check_placeholders(messages, audios, images)
-    return Record(tuple(messages), tuple(audios), tuple(images))
+    videos = record_paths(record.get("videos", record.get("video", [])), "videos", dataset_dir, "video")
+    check_placeholders(messages, audios, images, videos)
+    return Record(tuple(messages), tuple(audios), tuple(images), tuple(videos))
 
 
 def manifest_record(record: dict[str, Any], dataset_dir: str | None, prompt: str, prefix: str) -> Record:
@@ -92,8 +103,9 @@ def manifest_record(record: dict[str, Any], dataset_dir: str | None, prompt: str
                 )
             template = template.replace("{language}", language)
         parts.append(template)
-    if AUDIO_PLACEHOLDER in parts[0] + parts[1] + text or IMAGE_PLACEHOLDER in parts[0] + parts[1] + text:
-        raise RecordError(f"the transcript or prompt holds a {AUDIO_PLACEHOLDER} or {IMAGE_PLACEHOLDER} tag")
+    tags = (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
+    if any(tag in parts[0] + parts[1] + text for tag in tags):
+        raise RecordError(f"the transcript or prompt holds a {', '.join(tags)} tag")
     messages = (
         {"role": "user", "content": AUDIO_PLACEHOLDER + parts[0]},
         {"role": "assistant", "content": parts[1] + text},

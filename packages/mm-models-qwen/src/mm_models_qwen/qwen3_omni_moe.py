@@ -8,10 +8,11 @@ layers), an audio tower as Qwen3-ASR's with its output projection inside (``mode
 format of mm-data-audio) and a mixture-of-experts decoder (``model.language_model``: softmax top-k router
 ``mlp.gate``, fused 3-D experts ``mlp.experts``, no shared expert) with 3-D (mRoPE) positions.
 
-Four things differ from calling the transformers class as is, none of them in the weights:
+Five things differ from calling the transformers class as is, none of them in the weights:
 
-- Tower order. Every training forward runs the vision tower (on the images, else on a blank minimal image,
-  ``0 ×`` its output), then the audio tower (on the audio, else on a blank one-frame clip), then the decoder,
+- Tower order. Every training forward runs the vision tower once (on the images and videos together, else
+  on a blank minimal image, ``0 ×`` its output), then the audio tower (on the audio, else on a blank
+  one-frame clip), then the decoder,
   whatever the micro-batch holds, so every rank runs the FSDP units in one order (see :mod:`._idle`).
   transformers runs the audio tower first; the images' features are therefore computed first here and
   handed to its forward as ``mm_encoder_outputs``.
@@ -24,6 +25,11 @@ Four things differ from calling the transformers class as is, none of them in th
   depended on the other clips of its micro-batch. Here the audio tower runs through
   :func:`._audio.encode_audio` (the same modules; each clip's features those of the tower on that clip
   alone) and its rows are placed at the audio tokens before the decoder runs.
+- Videos (``pixel_values_videos``, ``video_grid_thw``; with ``use_audio_in_video`` their sound's rows among
+  ``input_features``, its tokens interleaved with the video's) go through transformers' own code; the
+  seconds per temporal group, ``video_second_per_grid``, may come as a list of floats (mm-data-audio's
+  collator sends plain values, which the device move never casts to the training dtype) and become a
+  float32 tensor here, as transformers' 3-D positions take it.
 - A Qwen3-Omni checkpoint folder (``config.json`` of ``model_type: qwen3_omni_moe``, weights under
   ``thinker.``) loads directly: its ``thinker_config`` is taken, and transformers' own weight renaming of the
   thinker drops the prefix. Exports are thinker folders, which transformers loads as this class's base.
@@ -42,7 +48,7 @@ from mm_core.models import ModelPlan, TransformersExperts
 from ._audio import encode_audio
 from ._idle import add_idle, idle_audio_tower, idle_vision_tower
 from ._moe import init_qwen3_omni_moe
-from ._vl import QWEN_VL_PLAN
+from ._vl import QWEN_VL_PLAN, vision_features
 from .qwen3_asr import AUDIO_STEM
 
 #: the decoder layers' fused experts and routers
@@ -151,13 +157,22 @@ class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerFor
         mm_encoder_outputs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
+        seconds = kwargs.get("video_second_per_grid")
+        if isinstance(seconds, (list, tuple)):  # plain floats from mm's collator, never cast to bf16
+            kwargs["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32)
         encoders = dict(mm_encoder_outputs or {})
-        if pixel_values is not None:  # vision first: its features go in precomputed
-            grid = kwargs.get("image_grid_thw")
-            encoders["image"] = self.model.get_image_features(pixel_values, grid, return_dict=True)
-        if pixel_values_videos is not None:
-            grid = kwargs.get("video_grid_thw")
-            encoders["video"] = self.model.get_video_features(pixel_values_videos, grid, return_dict=True)
+        if pixel_values is not None or pixel_values_videos is not None:
+            # vision first (its features go in precomputed) and once, over the images and videos together:
+            # every rank runs the tower's FSDP units as often, whatever its micro-batch holds
+            encoders.update(
+                vision_features(
+                    self.model,
+                    pixel_values,
+                    kwargs.get("image_grid_thw"),
+                    pixel_values_videos,
+                    kwargs.get("video_grid_thw"),
+                )
+            )
         idle = None
         if self.training and torch.is_grad_enabled():
             if not encoders:
