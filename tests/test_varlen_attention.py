@@ -213,7 +213,16 @@ def test_auto_applies_to_text_causal_models_only() -> None:
 
 
 def test_rms_norm_switch_keeps_numbers_and_weights() -> None:
-    model = _model()
+    """The classes the plugin's plan lists (``rms_norm_classes``) are switched; a model without a plan keeps
+    every module."""
+    from mm_core.models import plan_of
+    from mm_core.registry import model_register
+
+    assert use_device_kernels(_model(), "cpu", force=True) == []  # transformers' class: no plan, no names
+    cls = model_register.get("qwen3")
+    assert plan_of(cls).rms_norm_classes == ("Qwen3RMSNorm",)
+    torch.manual_seed(0)
+    model = cls._from_config(Qwen3Config(**QWEN3), dtype=torch.float32)
     ids = torch.randint(0, QWEN3["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
     before, keys = model(input_ids=ids).logits, list(model.state_dict())
     assert use_device_kernels(model, "cpu") == []  # a CPU keeps transformers' modules

@@ -109,6 +109,9 @@ def test_plan_is_frozen_typed_and_validated() -> None:
         ModelPlan(expert_adapter=nn.Linear)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="init_weights"):
         ModelPlan(init_weights="reset")  # type: ignore[arg-type]
+    assert ModelPlan(rms_norm_classes=["LlamaRMSNorm"]).rms_norm_classes == ("LlamaRMSNorm",)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rms_norm_classes: give a tuple of class names"):
+        ModelPlan(rms_norm_classes="LlamaRMSNorm")  # type: ignore[arg-type]
 
 
 def test_plan_of_reads_the_declared_plan_or_defaults() -> None:

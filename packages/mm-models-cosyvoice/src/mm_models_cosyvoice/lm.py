@@ -199,6 +199,7 @@ class CosyVoice3LMForTraining(nn.Module, BaseModel):
         ),
         output_head="llm_decoder",
         activations=count_activations,
+        rms_norm_classes=("Qwen2RMSNorm",),
     )
 
     def __init__(self, config: Qwen2Config, speech_vocab: int = SPEECH_VOCAB) -> None:

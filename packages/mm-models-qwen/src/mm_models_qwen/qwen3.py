@@ -21,4 +21,5 @@ class Qwen3ForTraining(Qwen3ForCausalLM):
         output_head="lm_head",
         input_embedding="model.embed_tokens",
         output_norm="model.norm",
+        rms_norm_classes=("Qwen3RMSNorm",),
     )

@@ -21,6 +21,7 @@ class Qwen3_5ForTraining(QwenVLPlans, Qwen3_5ForConditionalGeneration):
     """Exactly ``Qwen3_5ForConditionalGeneration`` plus per-tower default plans (vision blocks and language
     layers as FSDP units; freeze ``model.visual`` or the projector ``model.visual.merger``)."""
 
+    #: no ``rms_norm_classes``: Qwen3.5's norms scale by ``1 + weight`` in fp32, its DeltaNet norm is gated
     mm_plan: ClassVar[ModelPlan] = dataclasses.replace(
         QWEN_VL_PLAN, ulysses_layer_types=("linear_attention",), ulysses_layers=use_ulysses_deltanet
     )

@@ -25,4 +25,5 @@ class Qwen3MoeForTraining(TransformersExperts, Qwen3MoeForCausalLM):
         input_embedding="model.embed_tokens",
         output_norm="model.norm",
         init_weights=init_expert_adapters,
+        rms_norm_classes=("Qwen3MoeRMSNorm",),
     )

@@ -83,6 +83,7 @@ QWEN3_TTS_PLAN = ModelPlan(
     ),
     loss_parts=("talker_loss", "code_predictor_loss"),
     activations=count_activations,
+    rms_norm_classes=("Qwen3RMSNorm",),
 )
 
 

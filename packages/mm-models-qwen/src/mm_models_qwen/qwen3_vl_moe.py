@@ -30,4 +30,5 @@ class Qwen3VLMoeForTraining(TransformersExperts, QwenVLPlans, Qwen3VLMoeForCondi
         expert_modules=("model.language_model.layers.{*}.mlp.experts",),
         muon_exclude_modules=("model.visual.patch_embed", "model.language_model.layers.{*}.mlp.gate"),
         init_weights=init_expert_adapters,
+        rms_norm_classes=("Qwen3VLMoeTextRMSNorm",),
     )

@@ -97,6 +97,13 @@ class ModelPlan:
     #: the sequence themselves, reading the layout mm passes to every layer). Ring attention stays refused
     #: for such a model
     ulysses_layers: Callable[[nn.Module, int], None] | None = None
+    #: class names of the model's RMSNorm modules that compute ``weight * (x / sqrt(mean(x^2) + eps))`` with
+    #: the normalisation in fp32, cast back to the input's dtype before the weight, with a ``weight``
+    #: parameter and a ``variance_epsilon`` attribute (transformers' ``LlamaRMSNorm`` / ``Qwen3RMSNorm``
+    #: formula); the plugin vouches for that. On a device type whose kernel table entry is fused (Ascend),
+    #: mm switches these modules to the table's ``rms_norm`` (:mod:`mm_core.models.device_kernels`); norms of
+    #: another formula (``1 + weight``, gated, weightless) must not be listed
+    rms_norm_classes: tuple[str, ...] = ()
     #: ``count(model, query)`` for ``mm check``'s memory estimate: what one micro-batch keeps for backward on
     #: one rank (an :class:`~mm_core.parallel.layer_bytes.ActivationCount` for an
     #: :class:`~mm_core.parallel.layer_bytes.ActivationQuery`), each recompute-able layer named by its module
@@ -135,6 +142,11 @@ class ModelPlan:
             )
         if self.router_loss_refusal is not None and not isinstance(self.router_loss_refusal, str):
             raise TypeError(f"ModelPlan.router_loss_refusal: {self.router_loss_refusal!r} is not a string")
+        if isinstance(self.rms_norm_classes, str) or not all(
+            isinstance(name, str) for name in self.rms_norm_classes
+        ):
+            raise TypeError("ModelPlan.rms_norm_classes: give a tuple of class names, not a string")
+        object.__setattr__(self, "rms_norm_classes", tuple(self.rms_norm_classes))
         if isinstance(self.ulysses_layer_types, str):
             raise TypeError("ModelPlan.ulysses_layer_types: give a tuple of layer types, not a string")
         object.__setattr__(self, "ulysses_layer_types", tuple(self.ulysses_layer_types))

@@ -105,8 +105,12 @@ def build_model(ctx: TaskContext, model_cfg: ModelConfig | None = None) -> Built
         if note:
             ctx.build_log.append(note)
     plan = prepare_and_plan(model, ctx.cfg, settings, ctx.state.sizes)
-    if use_device_kernels(model, ctx.device.type):  # Ascend: RMSNorm through torch_npu's fused kernel
-        ctx.build_log.append(f"kernels: RMSNorm modules use mm_parallel.kernels on {ctx.device.type}")
+    switched = use_device_kernels(model, ctx.device.type)  # Ascend: RMSNorm through torch_npu's fused kernel
+    if switched:
+        ctx.build_log.append(
+            f"kernels: {len(switched)} RMSNorm modules ({', '.join(plan.model_plan.rms_norm_classes)}) use "
+            f"mm_parallel.kernels' rms_norm on {ctx.device.type}"
+        )
     if not meta:
         model.to(ctx.device)
     model, gather_plan = shard_model(model, plan, ctx.state)
