@@ -21,10 +21,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mm_core.models.device_kernels import use_device_kernels
 from mm_core.models.varlen import (
     LENGTHS_KWARG,
+    ROWS_KWARG,
     VARLEN_ATTENTION,
     auto_applies,
     document_kwargs,
     document_lengths,
+    one_document_rows,
     resolve_attn_implementation,
 )
 from mm_core.train.flops import peak_tflops
@@ -99,6 +101,20 @@ def test_sdpa_without_documents_mixes_them() -> None:
     assert not torch.allclose(losses[5:13], ref_losses[1], atol=1e-3)
 
 
+class _Kernels(TorchDispatchMode):
+    """Counts the fused CPU attention kernel's calls (forward only)."""
+
+    def __enter__(self) -> _Kernels:
+        self.sdpa = 0
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.sdpa += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padded_rows_equal_each_document_alone(side: str) -> None:
     """Right padding through the collated kwargs; left padding from the 2-D mask inside the model."""
@@ -119,8 +135,13 @@ def test_padded_rows_equal_each_document_alone(side: str) -> None:
     if side == "right":
         batch.update(document_kwargs(batch))
         assert batch[LENGTHS_KWARG] == (5, 4, 9, 4, 5)  # each padding run is a document of its own
+        assert batch[ROWS_KWARG] is True  # one document per row, then padding: one causal SDPA on CPU
     model.zero_grad()
-    losses = _token_losses(model, batch)
+    with _Kernels() as calls:
+        losses = _token_losses(model, batch)
+    # right: one SDPA per layer over the batch; left: one per document and padding run (5 per layer)
+    per_layer = 1 if side == "right" else 5
+    assert calls.sdpa == per_layer * QWEN3["num_hidden_layers"]
     picked = [losses[row, span] for row, span in enumerate(spans)]
     torch.stack([x.sum() for x in picked]).sum().backward()
     for got, ref in zip(picked, ref_losses):
@@ -147,6 +168,13 @@ def test_document_rules() -> None:
     assert document_lengths(None, left_padded, 1, 6) == [2, 4]
     with pytest.raises(ValueError, match="padding between tokens"):
         document_lengths(None, torch.tensor([[1, 1, 0, 1, 0, 0]]), 1, 6)
+    # one document per row from its first column, then padding: the one-SDPA case on CPU
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert one_document_rows(None, right) and one_document_rows(torch.tensor([[0, 1, 2, 3]] * 2), right)
+    assert not one_document_rows(torch.tensor([[0, 1, 0, 0], [0, 1, 2, 3]]), right)  # two documents in row 0
+    assert not one_document_rows(None, left_padded)
+    assert not one_document_rows(None, torch.tensor([[1, 1, 0, 1]]))
+    assert not one_document_rows(pos, None)  # no mask: packed rows go by their lengths
 
 
 def test_the_mask_step_builds_no_sequence_sized_mask() -> None:

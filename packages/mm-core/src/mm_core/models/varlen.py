@@ -21,7 +21,9 @@ device (mm's trainer calls it); a model used outside the trainer falls back to 2
 host read per layer). Each document is then attended causally by the device's fused varlen kernel
 (:mod:`mm_parallel.kernels`): torch's ``varlen_attn`` on CUDA, ``npu_fusion_attention`` (TND) on Ascend,
 SDPA per document elsewhere; a micro-batch whose rows are each one whole document runs one causal SDPA over
-the batch, the very call transformers' ``sdpa`` makes there.
+the batch, the very call transformers' ``sdpa`` makes there, and so, on CPU, does one whose rows are each one
+document followed by padding (:data:`ROWS_KWARG`: exact for every real token, and one call instead of one per
+document and padding run).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from mm_parallel.kernels import kernel
 VARLEN_ATTENTION = "mm_varlen"
 #: the document lengths of a micro-batch as host integers (a tuple), beside ``cu_seq_lens_q``
 LENGTHS_KWARG = "mm_document_lengths"
+#: True when every row of a micro-batch is one document from its first column, then only padding (a host bool
+#: beside the lengths): the CPU path then runs one causal SDPA over the batch (see :func:`one_document_rows`)
+ROWS_KWARG = "mm_one_document_rows"
 #: transformers' keyword names of variable-length attention
 CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 
@@ -78,6 +83,24 @@ def document_lengths(
     return [int(n) for n in np.diff(bounds)]
 
 
+def one_document_rows(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> bool:
+    """Whether every row is one document starting at its first column followed only by padding (right
+    padding, as mm's collators pad). Then causal attention over the whole row gives each real token exactly
+    the keys of its document (padding comes after it), so one causal SDPA over the batch is exact for every
+    real token; only the padding positions' outputs, which nothing reads, differ from the per-document run."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return False
+    real = attention_mask.detach().cpu().numpy().astype(bool)
+    if not real[:, 0].all() or (real[:, 1:] & ~real[:, :-1]).any():
+        return False  # an empty or left-padded row, or padding between tokens
+    if position_ids is not None:
+        pos = position_ids.detach().cpu().numpy()
+        zero = np.broadcast_to((pos == 0).all(0) if pos.ndim == 3 else pos == 0, real.shape)
+        if (zero[:, 1:] & real[:, 1:]).any():
+            return False  # a second document inside a row
+    return True
+
+
 def _cumulative(lengths: list[int], device: torch.device | None = None) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
@@ -94,9 +117,13 @@ def document_kwargs(batch: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return {}
     rows, seq = ids.shape
-    found = document_lengths(batch.get("position_ids"), batch.get("attention_mask"), rows, seq)
+    position_ids, attention_mask = batch.get("position_ids"), batch.get("attention_mask")
+    found = document_lengths(position_ids, attention_mask, rows, seq)
     cu = _cumulative(found)
-    return {CU_Q: cu, CU_K: cu, MAX_Q: max(found), MAX_K: max(found), LENGTHS_KWARG: tuple(found)}
+    out = {CU_Q: cu, CU_K: cu, MAX_Q: max(found), MAX_K: max(found), LENGTHS_KWARG: tuple(found)}
+    if one_document_rows(position_ids, attention_mask):
+        out[ROWS_KWARG] = True
+    return out
 
 
 def _decode_attention(
@@ -165,8 +192,12 @@ def varlen_attention_forward(
     if lengths is not None:
         max_len = max(lengths)
     device = query.device.type
-    if lengths is not None and device != "npu" and sliding_window is None and set(lengths) == {seq}:
-        # every row is one whole document: one causal SDPA over the batch (transformers' sdpa call)
+    whole_rows = lengths is not None and set(lengths) == {seq}
+    # right-padded rows of one document each: one causal SDPA is exact for every real token, and on devices
+    # whose varlen entry is a loop of SDPA calls (CPU) it is the faster; CUDA / Ascend skip the padding
+    padded_rows = kwargs.get(ROWS_KWARG) is True and device not in ("cuda", "npu")
+    if device != "npu" and sliding_window is None and (whole_rows or padded_rows):
+        # one causal SDPA over the batch (for whole rows, transformers' sdpa call)
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=heads != key.shape[1]
         )
