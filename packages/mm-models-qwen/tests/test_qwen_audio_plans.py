@@ -79,6 +79,8 @@ THINKER = {
     "vision_start_token_id": VISION_START,  # not a declared field, so only a config.json can carry it
 }
 UNITS = ("model.visual.blocks", "model.audio_tower.layers", "model.language_model.layers")
+#: the token embedding, an FSDP unit of its own (the plan's input_embedding)
+EMBED = "model.language_model.embed_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +148,12 @@ def test_default_plans_match_modules(omni):
 
 
 def _unit_order(model: torch.nn.Module) -> list[str]:
-    """Record the FSDP-unit modules in the order their forwards start (cleared by the caller)."""
+    """Record the FSDP-unit modules (layers and the token embedding) in the order their forwards start
+    (cleared by the caller)."""
     order: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(u + ".") and name.count(".") == u.count(".") + 1 for u in UNITS):
+        layer = any(name.startswith(u + ".") and name.count(".") == u.count(".") + 1 for u in UNITS)
+        if layer or name == EMBED:
             module.register_forward_pre_hook(lambda m, a, n=name: order.append(n))
     return order
 
@@ -219,8 +223,10 @@ def test_thinker_runs_every_tower_in_one_order_whatever_the_batch_holds(omni):
         assert _zero_grads(model.model.visual) is not image
         assert model.model.language_model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
     first = orders[True, True]
-    assert [n.rsplit(".", 1)[0] for n in first[::2]] == list(UNITS)  # vision, then audio, then the decoder
-    assert all(o == first for o in orders.values())
+    kinds = [n if n == EMBED else n.rsplit(".", 1)[0] for n in first]
+    runs = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert runs == [UNITS[0], EMBED, UNITS[1], UNITS[2]]  # vision, the embedding, audio, the decoder
+    assert all(o == first for o in orders.values()), orders
 
 
 def test_thinker_positions_without_attention_mask_equal_transformers(omni):
