@@ -1,7 +1,7 @@
 """The plugins' ``ModelPlan.rms_norm_classes``: each names exactly the RMSNorm classes of its tiny model that
 compute transformers' ``weight * normalised(x)`` formula, and switching them to the kernel table (forced on
 CPU, where the torch entry runs) keeps every module's output bit for bit; Qwen3.5's norms (``1 + weight``,
-gated) are not listed."""
+gated) are not listed; Qwen3-Omni's thinker lists both of its classes (layer norms, final norm)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from _tiny import QWEN3, QWEN3_MOE, qwen3_5_overrides
+from test_qwen_audio_plans import THINKER  # the tiny Qwen3-Omni thinker of the audio plans' tests
 from torch import nn
 from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig
 from transformers.models.qwen3_5 import Qwen3_5Config
+from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_vl_moe import Qwen3VLMoeConfig
 
 from mm_core.models import plan_of
@@ -20,6 +22,7 @@ from mm_core.models.device_kernels import use_device_kernels
 from mm_models_qwen.qwen3 import Qwen3ForTraining
 from mm_models_qwen.qwen3_5 import Qwen3_5ForTraining
 from mm_models_qwen.qwen3_moe import Qwen3MoeForTraining
+from mm_models_qwen.qwen3_omni_moe import Qwen3OmniMoeThinkerForTraining
 from mm_models_qwen.qwen3_vl import Qwen3VLForTraining
 from mm_models_qwen.qwen3_vl_moe import Qwen3VLMoeForTraining
 
@@ -39,6 +42,7 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
         )
     ),
     "qwen3_5": lambda: Qwen3_5ForTraining(Qwen3_5Config(**qwen3_5_overrides("qwen3_5"))),
+    "qwen3_omni_moe": lambda: Qwen3OmniMoeThinkerForTraining(Qwen3OmniMoeThinkerConfig(**THINKER)),
 }
 LISTED = {
     "qwen3": {"Qwen3RMSNorm"},
@@ -46,6 +50,7 @@ LISTED = {
     "qwen3_vl": {"Qwen3VLTextRMSNorm"},
     "qwen3_vl_moe": {"Qwen3VLMoeTextRMSNorm"},
     "qwen3_5": set(),
+    "qwen3_omni_moe": {"Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"},
 }
 
 

@@ -77,6 +77,7 @@ QWEN3_OMNI_MOE_PLAN = ModelPlan(
     output_head="lm_head",
     input_embedding="model.language_model.embed_tokens",
     output_norm="model.language_model.norm",
+    rms_norm_classes=("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"),
     init_weights=init_qwen3_omni_moe,
 )
 
