@@ -3,7 +3,9 @@
 Writes, under ``--out`` (default: ``examples/qwen3vl_moving_digits/build``):
 - ``data/clips/<i>.mp4``: a clip of ``FRAMES`` frames (``FPS`` a second, H.264) of ``CANVAS`` × ``CANVAS``
   pixels: one digit, upscaled ``SCALE`` times, white on black, travelling ``STEP`` pixels a frame left, right,
-  up or down (chosen at random), at a random position across the motion;
+  up or down (chosen at random) from a random start anywhere on the canvas, wrapping around its edges (what
+  leaves on one side comes back on the other), so every frame's picture has the same distribution whatever
+  the direction: only the motion tells it;
 - ``data/train.json`` / ``data/test.json``: LLaMA-Factory style records
   ``{"messages": [{"role": "user", "content": "<video>Which way does the 3 move?"},
   {"role": "assistant", "content": "left"}], "videos": ["clips/12.mp4"]}``; the digit images are split
@@ -30,8 +32,10 @@ FRAMES = 8
 FPS = 8.0
 SCALE = 2
 DIGIT = 8 * SCALE
-STEP = (CANVAS - DIGIT) // (FRAMES - 1)  # 5 pixels a frame
+STEP = 5  # pixels a frame: 35 across the clip, 5 within each 2-frame group the patch embedding sees
 DIRECTIONS = ("left", "right", "up", "down")
+#: (rows, columns) a frame for each direction
+MOVES = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 QUESTION = "<video>Which way does the {digit} move?"
 
 QWEN_VISION = {
@@ -63,21 +67,22 @@ QWEN_TEXT = {
 }
 
 
-def render(image: Any, direction: str, offset: int) -> Any:
-    """uint8 [FRAMES, CANVAS, CANVAS, 3]: the 8×8 ``image`` (0..16) scaled and moved edge to edge."""
+def render(image: Any, direction: str, start: tuple[int, int]) -> Any:
+    """uint8 [FRAMES, CANVAS, CANVAS, 3]: the 8×8 ``image`` (0..16) scaled, its top-left corner at ``start``
+    (row, column) in the first frame, moved ``STEP`` pixels a frame in ``direction``, wrapping around."""
     import numpy as np
 
     digit = np.kron(image / 16.0 * 255.0, np.ones((SCALE, SCALE))).clip(0, 255).astype(np.uint8)
-    frames = np.zeros((FRAMES, CANVAS, CANVAS, 3), np.uint8)
-    travel = STEP * (FRAMES - 1)
-    start = (CANVAS - DIGIT - travel) // 2
-    for t in range(FRAMES):
-        along = start + STEP * t
-        if direction in ("left", "up"):
-            along = CANVAS - DIGIT - along
-        y, x = (offset, along) if direction in ("left", "right") else (along, offset)
-        frames[t, y : y + DIGIT, x : x + DIGIT] = digit[..., None]
-    return frames
+    canvas = np.zeros((CANVAS, CANVAS), np.uint8)
+    canvas[:DIGIT, :DIGIT] = digit
+    dy, dx = MOVES[direction]
+    frames = np.stack(
+        [
+            np.roll(canvas, (start[0] + dy * STEP * t, start[1] + dx * STEP * t), axis=(0, 1))
+            for t in range(FRAMES)
+        ]
+    )
+    return np.repeat(frames[..., None], 3, axis=-1)
 
 
 def build(out: Path, seed: int = 0, test_fraction: float = 0.2, limit: int | None = None) -> Path:
@@ -97,11 +102,12 @@ def build(out: Path, seed: int = 0, test_fraction: float = 0.2, limit: int | Non
     rng.shuffle(order)
     n_test = int(len(order) * test_fraction)
     held_out = set(order[:n_test])
-    train, test = [], []
+    train: list[dict[str, Any]] = []
+    test: list[dict[str, Any]] = []
     for i, (image, target) in enumerate(zip(digits.images[:count], digits.target[:count])):
         direction = rng.choice(DIRECTIONS)
-        offset = rng.randrange(0, CANVAS - DIGIT + 1)
-        write_video(clips / f"{i}.mp4", render(image, direction, offset), FPS)
+        start = (rng.randrange(CANVAS), rng.randrange(CANVAS))
+        write_video(clips / f"{i}.mp4", render(image, direction, start), FPS)
         record = {
             "messages": [
                 {"role": "user", "content": QUESTION.format(digit=int(target))},
@@ -123,7 +129,7 @@ def build(out: Path, seed: int = 0, test_fraction: float = 0.2, limit: int | Non
     proc = build_qwen_vl_processor(texts, out / "processor", vocab_size=400, videos=video)
     tok = AutoTokenizer.from_pretrained(proc)
     ids = {
-        t: tok.convert_tokens_to_ids(t)
+        t: int(tok.convert_tokens_to_ids(t))  # type: ignore[arg-type]  # one token: one id
         for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
     }
     Qwen3VLConfig(
