@@ -49,6 +49,18 @@ ROWS_KWARG = "mm_one_document_rows"
 CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 
 
+def _restarts(position_ids: torch.Tensor, shape: tuple[int, int]) -> np.ndarray:
+    """``[rows, seq]`` bools (host): where the positions restart at 0 (for multi-axis rope positions
+    ``[axes, batch, seq]``, where every axis does)."""
+    pos = position_ids.detach().cpu().numpy()
+    return np.broadcast_to((pos == 0).all(0) if pos.ndim == 3 else pos == 0, shape)
+
+
+def _tokens(attention_mask: torch.Tensor) -> np.ndarray:
+    """The 2-D padding mask as host bools (True: a token)."""
+    return attention_mask.detach().cpu().numpy().astype(bool)
+
+
 def document_lengths(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, rows: int, seq: int
 ) -> list[int]:
@@ -57,16 +69,14 @@ def document_lengths(
     starts = np.zeros((rows, seq), dtype=bool)
     starts[:, 0] = True
     if position_ids is not None:
-        pos = position_ids.detach().cpu().numpy()
-        zero = (pos == 0).all(0) if pos.ndim == 3 else pos == 0
-        starts |= np.broadcast_to(zero, (rows, seq))
+        starts |= _restarts(position_ids, (rows, seq))
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
                 f"attention {VARLEN_ATTENTION!r} takes a 2-D attention_mask [batch, seq] (1 = token, "
                 f"0 = padding); got shape {tuple(attention_mask.shape)}"
             )
-        real = attention_mask.detach().cpu().numpy().astype(bool)
+        real = _tokens(attention_mask)
         change = real[:, 1:] != real[:, :-1]
         # a run of padding is one document whatever its position ids; a token after a change starts one
         starts[:, 1:] = (starts[:, 1:] & real[:, 1:]) | change
@@ -90,15 +100,11 @@ def one_document_rows(position_ids: torch.Tensor | None, attention_mask: torch.T
     real token; only the padding positions' outputs, which nothing reads, differ from the per-document run."""
     if attention_mask is None or attention_mask.dim() != 2:
         return False
-    real = attention_mask.detach().cpu().numpy().astype(bool)
+    real = _tokens(attention_mask)
     if not real[:, 0].all() or (real[:, 1:] & ~real[:, :-1]).any():
         return False  # an empty or left-padded row, or padding between tokens
-    if position_ids is not None:
-        pos = position_ids.detach().cpu().numpy()
-        zero = np.broadcast_to((pos == 0).all(0) if pos.ndim == 3 else pos == 0, real.shape)
-        if (zero[:, 1:] & real[:, 1:]).any():
-            return False  # a second document inside a row
-    return True
+    # no second document inside a row
+    return position_ids is None or not (_restarts(position_ids, real.shape)[:, 1:] & real[:, 1:]).any()
 
 
 def _cumulative(lengths: list[int], device: torch.device | None = None) -> torch.Tensor:
