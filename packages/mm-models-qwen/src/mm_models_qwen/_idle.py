@@ -49,6 +49,15 @@ def idle_audio_tower(model: nn.Module, frames: int) -> torch.Tensor:
     return rows.sum() * 0.0
 
 
+def embed_first(model: nn.Module, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    """Set ``kwargs["inputs_embeds"]`` to the token embeddings of ``input_ids`` (unless given), before a
+    model runs an idle audio tower: transformers' forward embeds the tokens before it runs the real audio
+    tower, and the embedding is an FSDP unit, so it must run before the idle tower too."""
+    if input_ids is not None and kwargs.get("inputs_embeds") is None:
+        get_input_embeddings: Any = model.get_input_embeddings
+        kwargs["inputs_embeds"] = get_input_embeddings()(input_ids)
+
+
 def add_idle(out: Any, idle: torch.Tensor | None) -> Any:
     """Add an idle tower's ``0 × output`` to the logits and, when present, the model's own loss (``loss_type:
     raw`` back-propagates the model's ``.loss``); returns ``out``."""

@@ -18,7 +18,7 @@ from transformers.models.qwen3_asr import Qwen3ASRForConditionalGeneration
 
 from mm_core.models import ModelPlan
 
-from ._idle import add_idle, idle_audio_tower
+from ._idle import add_idle, embed_first, idle_audio_tower
 
 #: ``model.freeze`` pattern of the audio tower (the projector ``model.multi_modal_projector`` stays trainable)
 AUDIO_TOWER = "model.audio_tower"
@@ -58,11 +58,7 @@ class Qwen3ASRForTraining(Qwen3ASRForConditionalGeneration):
     def forward(self, *args: Any, input_features: torch.Tensor | None = None, **kwargs: Any) -> Any:
         idle = None
         if self.training and input_features is None and torch.is_grad_enabled():
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
-            if input_ids is not None and kwargs.get("inputs_embeds") is None:
-                # the token embedding (an FSDP unit) first, as transformers' forward runs it before the real
-                # audio tower: every rank runs the units in one order
-                kwargs["inputs_embeds"] = self.get_input_embeddings()(input_ids)
-            idle = self._idle_audio_tower()  # before the decoder, as the real tower
+            embed_first(self, kwargs.get("input_ids", args[0] if args else None), kwargs)
+            idle = self._idle_audio_tower()  # after the embedding and before the decoder, as the real tower
         out = super().forward(*args, input_features=input_features, **kwargs)
         return add_idle(out, idle)

@@ -46,7 +46,7 @@ from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditional
 from mm_core.models import ModelPlan, TransformersExperts
 
 from ._audio import encode_audio
-from ._idle import add_idle, idle_audio_tower, idle_vision_tower
+from ._idle import add_idle, embed_first, idle_audio_tower, idle_vision_tower
 from ._moe import init_qwen3_omni_moe
 from ._vl import QWEN_VL_PLAN, vision_features
 from .qwen3_asr import AUDIO_STEM
@@ -179,10 +179,7 @@ class Qwen3OmniMoeThinkerForTraining(TransformersExperts, Qwen3OmniMoeThinkerFor
             if not encoders:
                 idle = self._idle_vision_tower()
             if input_features is None:
-                if input_ids is not None and kwargs.get("inputs_embeds") is None:
-                    # the token embedding (an FSDP unit) before the idle audio tower, as it runs before the
-                    # real one (_embeds_with_audio): every rank runs the units in one order
-                    kwargs["inputs_embeds"] = self.get_input_embeddings()(input_ids)
+                embed_first(self, input_ids, kwargs)  # as before the real tower (_embeds_with_audio)
                 audio = self._idle_audio_tower()
                 idle = audio if idle is None else idle + audio
         given = ("position_ids", "attention_mask", "cache", "past_key_values")
