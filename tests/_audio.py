@@ -138,8 +138,6 @@ def _model_config(family: str, ids: dict[str, int], vocab: int) -> Any:
 def make_audio_assets(root: Path, family: str) -> Path:
     """Write data, processor and model config for ``family`` (``qwen3_asr`` or ``qwen3_omni_moe``) under
     ``root``; returns the YAML path (fp32, per-token loss, no shuffling, 10 steps, no checkpoints)."""
-    from transformers import AutoTokenizer
-
     from mm_data_audio.processor_build import build_qwen3_asr_processor
     from mm_data_audio.processor_omni import build_qwen3_omni_processor
 
@@ -148,11 +146,34 @@ def make_audio_assets(root: Path, family: str) -> Path:
     texts = [m["content"] for r in records for m in r["messages"]] * 5
     build = build_qwen3_asr_processor if asr else build_qwen3_omni_processor
     proc = build(texts, root / "processor", vocab_size=300)
+    return write_run(root, family, proc, name=f"{family}.yaml", cutoff_len=256, train_iters=10)
+
+
+def write_run(
+    root: Path,
+    family: str,
+    proc: Path,
+    *,
+    name: str,
+    cutoff_len: int,
+    train_iters: int,
+    preprocess: dict[str, Any] | None = None,
+    config_attrs: dict[str, Any] | None = None,
+) -> Path:
+    """The tiny model's config.json (``root/model``, its token ids read from processor ``proc``, plus
+    ``config_attrs``) and the YAML ``root/name`` of an ``audio_sft`` run over ``root/data/train.json`` (fp32,
+    per-token loss and, for Qwen3-Omni, the router loss, no shuffling, no checkpoints); returns its path."""
+    from transformers import AutoTokenizer
+
+    asr = family == "qwen3_asr"
     tok = AutoTokenizer.from_pretrained(proc)
     names = ["<|endoftext|>", "<|im_end|>", "<|audio_start|>", "<|audio_pad|>"]
     names += [] if asr else ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>"]
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in names}
-    _model_config(family, ids, len(tok)).save_pretrained(root / "model")
+    config = _model_config(family, ids, len(tok))
+    for key, value in (config_attrs or {}).items():
+        setattr(config, key, value)
+    config.save_pretrained(root / "model")
     loss: dict[str, Any] = {"loss_type": "per_token_loss"}
     if not asr:
         loss["router_aux_loss_coef"] = 0.02  # the load-balancing loss, read from text_config
@@ -164,9 +185,9 @@ def make_audio_assets(root: Path, family: str) -> Path:
                 "basic_parameters": {
                     "dataset_dir": str(root / "data"),
                     "dataset": "train.json",
-                    "cutoff_len": 256,
+                    "cutoff_len": cutoff_len,
                 },
-                "preprocess_parameters": {"model_name_or_path": str(proc)},
+                "preprocess_parameters": {"model_name_or_path": str(proc), **(preprocess or {})},
             },
             "dataloader_param": {"shuffle": False, "collate_param": {"collator_id": "audio"}},
         },
@@ -177,7 +198,7 @@ def make_audio_assets(root: Path, family: str) -> Path:
             "loss_cfg": loss,
         },
         "training": {
-            "train_iters": 10,
+            "train_iters": train_iters,
             "lr": 3e-3,
             "seed": 7,
             "save": None,
@@ -185,6 +206,6 @@ def make_audio_assets(root: Path, family: str) -> Path:
             "log_interval": 1,
         },
     }
-    path = root / f"{family}.yaml"
+    path = root / name
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
-from _audio import RATE, _model_config, clip
+from _audio import RATE, clip, write_run
 
 #: the thinker's and the data's position ids per second of video (transformers' processor default)
 POSITION_ID_PER_SECONDS = 13
@@ -101,47 +100,16 @@ def _records(data: Path) -> list[dict[str, Any]]:
 def make_omni_video_assets(root: Path) -> Path:
     """Data, processor, the tiny thinker's config.json and the YAML (fp32, per-token loss, no shuffling, no
     checkpoints) under ``root``; returns the YAML's path."""
-    from transformers import AutoTokenizer
-
     records = _records(root / "data")
     texts = [m["content"] for r in records for m in r["messages"]] * 5
     proc = build_processor(root, texts)
-    tok = AutoTokenizer.from_pretrained(proc)
-    names = ["<|endoftext|>", "<|im_end|>", "<|audio_start|>", "<|audio_pad|>"]
-    names += ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>"]
-    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in names}
-    config = _model_config("qwen3_omni_moe", ids, len(tok))
-    config.position_id_per_seconds = POSITION_ID_PER_SECONDS
-    config.save_pretrained(root / "model")
-    cfg = {
-        "parallel": {"fsdp_plan": {"param_dtype": "fp32", "reduce_dtype": "fp32"}},
-        "data": {
-            "dataset_param": {
-                "dataset_type": "audio_sft",
-                "basic_parameters": {
-                    "dataset_dir": str(root / "data"),
-                    "dataset": "train.json",
-                    "cutoff_len": 320,
-                },
-                "preprocess_parameters": {"model_name_or_path": str(proc), **VIDEO_PARAMS},
-            },
-            "dataloader_param": {"shuffle": False, "collate_param": {"collator_id": "audio"}},
-        },
-        "model": {
-            "model_id": "qwen3_omni_moe",
-            "model_name_or_path": str(root / "model"),
-            "from_scratch": True,
-            "loss_cfg": {"loss_type": "per_token_loss", "router_aux_loss_coef": 0.02},
-        },
-        "training": {
-            "train_iters": 3,
-            "lr": 3e-3,
-            "seed": 7,
-            "save": None,
-            "progress_bar": False,
-            "log_interval": 1,
-        },
-    }
-    path = root / "qwen3_omni_video.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_run(
+        root,
+        "qwen3_omni_moe",
+        proc,
+        name="qwen3_omni_video.yaml",
+        cutoff_len=320,
+        train_iters=3,
+        preprocess=VIDEO_PARAMS,
+        config_attrs={"position_id_per_seconds": POSITION_ID_PER_SECONDS},
+    )
