@@ -105,8 +105,9 @@ def _dense_reference(
     return torch.einsum("hqk,khd->qhd", probs, vv)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_per_document_attention_matches_the_block_diagonal_mask(window: int | None) -> None:
+def _documents() -> tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """4 documents in TND layout (fp64, grouped-query heads 4 over 2, with grad): their lengths, q/k/v and
+    the cumulative lengths."""
     torch.manual_seed(0)
     lengths = [5, 1, 7, 3]
     total = sum(lengths)
@@ -114,6 +115,12 @@ def test_per_document_attention_matches_the_block_diagonal_mask(window: int | No
     k = torch.randn(total, 2, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(total, 2, 8, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    return lengths, (q, k, v), cu
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_per_document_attention_matches_the_block_diagonal_mask(window: int | None) -> None:
+    lengths, (q, k, v), cu = _documents()
     run = kernel("varlen_attention", "cpu")
     got = run(q, k, v, cu, 7, window=window)
     assert got.shape == q.shape
@@ -283,13 +290,7 @@ def test_npu_rotary_matches_torch(torch_npu: object) -> None:
 def test_npu_varlen_attention_matches_per_document_attention(torch_npu: object, window: int | None) -> None:
     """TND packing, cumulative actual_seq_qlen/kvlen, sparse_mode 3 (causal) or 4 (band) with the compressed
     mask, the scale, grouped-query heads: values and gradients equal the CPU entry's."""
-    torch.manual_seed(0)
-    lengths = [5, 1, 7, 3]
-    total = sum(lengths)
-    q = torch.randn(total, 4, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(total, 2, 8, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(total, 2, 8, dtype=torch.float64, requires_grad=True)
-    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    _, (q, k, v), cu = _documents()
     for scale in (None, 0.3):
         got = kernel("varlen_attention", "npu")(q, k, v, cu, 7, scale=scale, window=window)
         ref = kernel("varlen_attention", "cpu")(q, k, v, cu, 7, scale=scale, window=window)
